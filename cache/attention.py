@@ -1,0 +1,111 @@
+"""Attention over a cache, and the dispatch that lets a cache compute its own attention.
+
+mlx-lm's models call ``scaled_dot_product_attention`` imported by name from
+``mlx_lm.models.base``. ``install_attention(model)`` wraps that name in the model's module so
+that a cache with an ``attend`` method computes attention itself. A mixed cache (full-precision
+sinks and recent window, quantised middle) then attends without dequantising its history:
+scores for the quantised part come from ``quantized_matmul`` and for the full part from a plain
+matmul, one softmax runs over the joined scores (the exact joint softmax, equivalent to a
+log-sum-exp merge), and the outputs are summed. Caches that hold only full-precision tokens
+hand the contiguous buffer slice to the fused ``mx.fast.scaled_dot_product_attention``.
+Without the dispatch, ``update_and_fetch`` still returns correct (dequantised) arrays.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+_WRAPPED_FLAG = "_chatapp_dispatch"
+
+
+def causal_mask(n_queries: int, n_keys: int) -> mx.array:
+    """Queries are the last ``n_queries`` positions of ``n_keys``."""
+    q = mx.arange(n_keys - n_queries, n_keys)[:, None]
+    return q >= mx.arange(n_keys)[None]
+
+
+def attend_mixed(
+    queries: mx.array,
+    parts: Sequence[tuple[str, Any, Any]],
+    scale: float,
+    mask: Any,
+    bits: int,
+    group_size: int,
+    quant_queries: mx.array | None = None,
+) -> mx.array:
+    """Attention over key/value parts in sequence order.
+
+    ``parts`` holds ("full", keys, values) or ("quant", (packed, scales, biases) x2) entries.
+    ``quant_queries``, when given, are the queries positioned for the quantised parts (whose
+    keys carry a rotation offset, see kv.py); the full parts use ``queries``.
+    """
+    B, n_q, L, D = queries.shape
+    n_kv = parts[0][1].shape[1] if parts[0][0] == "full" else parts[0][1][0].shape[1]
+    grouped = lambda x: (x * scale).reshape(B, n_kv, n_q // n_kv, L, D)
+    qf = grouped(queries)
+    qq = qf if quant_queries is None else grouped(quant_queries)
+    scores = []
+    for kind, k, _ in parts:
+        if kind == "full":
+            scores.append(qf @ mx.expand_dims(k, 2).swapaxes(-1, -2))
+        else:
+            kq = [mx.expand_dims(x, 2) for x in k]
+            scores.append(mx.quantized_matmul(qq, *kq, transpose=True, group_size=group_size, bits=bits))
+    s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    if isinstance(mask, str) or (mask is None and L > 1):
+        mask = causal_mask(L, s.shape[-1])
+    if mask is not None:
+        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
+    p = mx.softmax(s, axis=-1, precise=True)
+    out, start = None, 0
+    for (kind, _, v), sc in zip(parts, scores):
+        pi = p[..., start : start + sc.shape[-1]]
+        start += sc.shape[-1]
+        if kind == "full":
+            o = pi @ mx.expand_dims(v, 2)
+        else:
+            vq = [mx.expand_dims(x, 2) for x in v]
+            o = mx.quantized_matmul(pi, *vq, transpose=False, group_size=group_size, bits=bits)
+        out = o if out is None else out + o
+    return out.reshape(B, n_q, L, -1)
+
+
+def _make_dispatch(original):
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+        attend = getattr(cache, "attend", None)
+        if attend is not None and sinks is None and not kwargs:
+            return attend(queries, scale=scale, mask=mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks, **kwargs)
+
+    setattr(scaled_dot_product_attention, _WRAPPED_FLAG, original)
+    return scaled_dot_product_attention
+
+
+def install_attention(model) -> list[str]:
+    """Route the model's attention through caches that provide ``attend``.
+
+    Patches the ``scaled_dot_product_attention`` name in every module that defines one of the
+    model's classes (and mlx-lm's base). Idempotent; returns the patched module names.
+    """
+    names = {"mlx_lm.models.base"}
+    for _, m in model.named_modules():
+        names.add(type(m).__module__)
+    names.add(type(model).__module__)
+    patched = []
+    for name in sorted(names):
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None) if mod else None
+        if fn is None or hasattr(fn, _WRAPPED_FLAG):
+            continue
+        setattr(mod, "scaled_dot_product_attention", _make_dispatch(fn))
+        patched.append(name)
+    return patched
+
+
+def is_installed(model) -> bool:
+    mod = sys.modules.get(type(model).__module__)
+    fn = getattr(mod, "scaled_dot_product_attention", None)
+    return fn is not None and hasattr(fn, _WRAPPED_FLAG)

@@ -1,0 +1,145 @@
+"""Preallocated K/V storage: one full-precision buffer and one quantised buffer.
+
+Both grow by whole chunks, write new tokens in place with slice assignment, and hand out
+slices of their contiguous storage; MLX reuses the buffer when nothing else holds it.
+Shapes follow the models: [batch, kv_heads, tokens, head_dim].
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .rope import Repositioner
+from .settings import CacheConfigError
+
+
+def _grown(buf: mx.array | None, needed: int, step: int, like: mx.array) -> mx.array:
+    """A buffer with room for ``needed`` tokens, grown by whole chunks of ``step``."""
+    have = 0 if buf is None else buf.shape[2]
+    if needed <= have:
+        return buf
+    new_cap = ((needed + step - 1) // step) * step
+    B, H, _, D = like.shape
+    extra = mx.zeros((B, H, new_cap - have, D), like.dtype)
+    return extra if buf is None else mx.concatenate([buf, extra], axis=2)
+
+
+def _shift_left(buf: mx.array, start: int, n: int, length: int) -> mx.array:
+    """Remove tokens [start, start+n) by moving the tail left (one copy of the tail)."""
+    if start + n < length:
+        buf[..., start : length - n, :] = buf[..., start + n : length, :]
+    return buf
+
+
+class FullBuffer:
+    """Contiguous full-precision K/V with chunked growth."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        self.keys = _grown(self.keys, self.length + n, self.step, keys)
+        self.values = _grown(self.values, self.length + n, self.step, values)
+        self.keys[..., self.length : self.length + n, :] = keys
+        self.values[..., self.length : self.length + n, :] = values
+        self.length += n
+
+    def view(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
+        end = self.length if end is None else end
+        return self.keys[..., start:end, :], self.values[..., start:end, :]
+
+    def remove(self, start: int, n: int) -> None:
+        self.keys = _shift_left(self.keys, start, n, self.length)
+        self.values = _shift_left(self.values, start, n, self.length)
+        self.length -= n
+
+    def rotate(self, start: int, delta: int, repos: Repositioner) -> None:
+        """Re-position keys [start, length) by ``delta`` positions."""
+        if delta and start < self.length:
+            self.keys[..., start : self.length, :] = repos.shift(self.keys[..., start : self.length, :], delta)
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+
+    def token_bytes(self) -> int:
+        """Bytes one token takes in K and V together."""
+        if self.keys is None:
+            return 0
+        B, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[-1]
+        return B * H * (Dk * self.keys.itemsize + Dv * self.values.itemsize)
+
+
+class QuantBuffer:
+    """Quantised K/V (packed uint32 + scales + biases), quantised along head_dim."""
+
+    def __init__(self, step: int, bits: int, group_size: int):
+        self.step, self.bits, self.group_size = step, bits, group_size
+        self.keys: list[mx.array] | None = None  # [packed, scales, biases]
+        self.values: list[mx.array] | None = None
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys[0].shape[2]
+
+    def _check(self, x: mx.array) -> None:
+        if x.shape[-1] % self.group_size:
+            raise CacheConfigError(
+                f"kv_group_size: head_dim {x.shape[-1]} is not a multiple of kv_group_size {self.group_size}; "
+                "quantised KV groups along head_dim"
+            )
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        self._check(keys)
+        self._check(values)
+        n = keys.shape[2]
+        qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
+        qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        self.keys = self._write(self.keys, qk, n)
+        self.values = self._write(self.values, qv, n)
+        self.length += n
+
+    def _write(self, bufs: list[mx.array] | None, parts: tuple, n: int) -> list[mx.array]:
+        bufs = [None] * 3 if bufs is None else bufs
+        out = []
+        for buf, part in zip(bufs, parts):
+            buf = _grown(buf, self.length + n, self.step, part)
+            buf[..., self.length : self.length + n, :] = part
+            out.append(buf)
+        return out
+
+    def packed(self) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """(packed, scales, biases) for K and for V, sliced to the tokens held."""
+        L = self.length
+        return (tuple(b[..., :L, :] for b in self.keys), tuple(b[..., :L, :] for b in self.values))
+
+    def dequantized(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
+        end = self.length if end is None else end
+        k, v = ([b[..., start:end, :] for b in bufs] for bufs in (self.keys, self.values))
+        return (
+            mx.dequantize(*k, group_size=self.group_size, bits=self.bits),
+            mx.dequantize(*v, group_size=self.group_size, bits=self.bits),
+        )
+
+    def remove_front(self, n: int) -> None:
+        self.keys = [_shift_left(b, 0, n, self.length) for b in self.keys]
+        self.values = [_shift_left(b, 0, n, self.length) for b in self.values]
+        self.length -= n
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+
+    def token_bytes(self) -> int:
+        if self.keys is None:
+            return 0
+        per = lambda bufs: sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in bufs)
+        return per(self.keys) + per(self.values)

@@ -1,0 +1,59 @@
+"""Converting a live cache from one mode to another without re-running the prompt.
+
+Every cache can give its content as full-precision K/V in sequence order at compacted
+positions; the target cache takes that content and applies its own policy (quantise, evict).
+The one case that cannot be done is growing back history a window has already dropped: a
+target mode that keeps everything needs those tokens again, so the caller must re-prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .factory import make_caches
+from .settings import CacheSettings
+
+
+@dataclass
+class Conversion:
+    caches: list
+    action: str  # "converted", "unchanged" or "reprefill" (caches are then new and empty)
+    reason: str
+    seconds: float
+    lossy: bool = False  # dequantised or evicted on the way
+
+
+def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
+    start = time.perf_counter()
+    source = caches[0]
+    if source.mode == settings.mode and getattr(source, "settings", settings) == settings:
+        return Conversion(caches, "unchanged", f"already {settings.mode}", 0.0)
+    target = make_caches(model, settings)
+    evicted = getattr(source, "evicted", 0)
+    if evicted and settings.budget is None:
+        return Conversion(
+            target, "reprefill",
+            f"the {source.mode} cache has dropped {evicted} tokens that {settings.mode} keeps; "
+            "they must be prefilled again", time.perf_counter() - start,
+        )
+    had_quant = source.usage().quant_tokens > 0
+    for old, new in zip(caches, target):
+        k, v = old.content()
+        if k is not None and k.shape[2]:
+            new.update_and_fetch(k, v)
+        new.evicted += evicted
+        new.offset  # settle the target's policy (quantise, evict) before reporting on it
+    mx.eval([c.state for c in target])
+    lossy = had_quant or target[0].evicted > evicted or target[0].usage().quant_tokens > 0
+    how = []
+    if had_quant:
+        how.append("dequantised")
+    if target[0].usage().quant_tokens:
+        how.append("quantised")
+    if target[0].evicted > evicted:
+        how.append(f"evicted {target[0].evicted - evicted} tokens")
+    reason = f"{source.mode} -> {settings.mode}" + (f" ({', '.join(how)})" if how else "")
+    return Conversion(target, "converted", reason, time.perf_counter() - start, lossy)

@@ -1,0 +1,361 @@
+"""Per-layer KV caches speaking mlx-lm's cache protocol.
+
+``offset``, ``update_and_fetch``, ``make_mask``, ``state``/``meta_state``/``from_state``,
+``trim``/``is_trimmable``, ``size``, ``empty`` and ``nbytes`` are what mlx-lm's models and
+helpers call; ``attend`` (see attention.py) and ``usage`` are ours.
+
+Positions: caches that evict report ``offset`` = tokens held, so the model places a new token
+right after the kept ones (compacted positions) and never passes its trained context.
+Maintenance (quantising the oldest recent tokens, evicting) runs lazily before the next read of
+``offset`` rather than inside ``update_and_fetch``, so the attention of the step that wrote the
+tokens still sees them at the positions it computed them with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from .attention import attend_mixed
+from .buffers import FullBuffer, QuantBuffer
+from .rope import Repositioner
+from .settings import CacheSettings
+from .usage import CacheUsage
+
+
+class _CacheBase:
+    mode: str = ""
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        offset = self.offset
+        if N == 1:
+            return None
+        if return_array or (window_size and N > window_size):
+            return create_causal_mask(N, offset, window_size=window_size)
+        return "causal"
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes really held (not the allocated buffer); ``usage()`` has both."""
+        return self.usage().bytes_held
+
+
+class ConcatKVCache(_CacheBase):
+    """The naive cache: ``mx.concatenate`` on every token, copying the whole history each step."""
+
+    mode = "concat"
+
+    def __init__(self, settings: CacheSettings | None = None, repositioner: Repositioner | None = None):
+        self.settings = settings
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.evicted = 0
+
+    @property
+    def offset(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        return self.keys, self.values
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        if n:
+            end = self.offset - n
+            self.keys, self.values = self.keys[..., :end, :], self.values[..., :end, :]
+        return n
+
+    def content(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
+    def usage(self) -> CacheUsage:
+        if self.keys is None:
+            return CacheUsage()
+        b = self.keys.nbytes + self.values.nbytes
+        n = self.offset
+        return CacheUsage(full_tokens=n, full_slots=n, full_bytes=b, full_bytes_allocated=b)
+
+    @property
+    def state(self):
+        return [] if self.keys is None else [self.keys, self.values]
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values = (v[0], v[1]) if v else (None, None)
+
+    @property
+    def meta_state(self):
+        return ()
+
+    @meta_state.setter
+    def meta_state(self, v):
+        pass
+
+    @classmethod
+    def from_state(cls, state, meta_state=()):
+        c = cls()
+        c.state = state
+        return c
+
+
+class SegmentedKVCache(_CacheBase):
+    """The preallocated cache and its windowed / quantised policies, in one mechanism.
+
+    Sequence order is: sinks | quantised middle | recent. Sinks and recent share one contiguous
+    full-precision buffer (so a cache with nothing quantised hands the fused SDPA one slice);
+    the middle lives in a quantised buffer. Policy knobs:
+
+    - ``window``: recent tokens kept at full precision (None: all of them, i.e. prealloc);
+    - ``quant``: quantise tokens that leave the recent window, once ``quant_start`` are held;
+    - ``budget``: most tokens held; the oldest non-sink tokens beyond it are evicted.
+
+    Flushing and eviction happen ``chunk`` tokens at a time. Evicting d tokens moves everything
+    after them d positions back: recent keys are re-rotated in place (float32, at most
+    window/chunk + 1 times per token), while the quantised middle keeps a single rotation delta
+    ``delta_q`` that is applied to the queries instead, so quantised keys are never re-quantised.
+    """
+
+    def __init__(
+        self,
+        settings: CacheSettings,
+        *,
+        sinks: int = 0,
+        window: int | None = None,
+        quantize: bool = False,
+        quant_start: int = 0,
+        budget: int | None = None,
+        repositioner: Repositioner | None = None,
+    ):
+        self.settings = settings
+        self.mode = settings.mode
+        self.sinks, self.window, self.budget = sinks, window, budget
+        self.quant_start, self.chunk = quant_start, settings.evict_chunk
+        self.full = FullBuffer(settings.chunk_size)
+        self.quant = QuantBuffer(settings.chunk_size, settings.kv_bits, settings.kv_group_size) if quantize else None
+        self.repos = repositioner
+        self.delta_q = 0
+        self.evicted = 0
+        self._pending = False
+
+    # ---- protocol -------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        if self._pending:
+            self._maintain()
+        return self._held()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._pending:
+            self._maintain()
+        self.full.append(keys, values)
+        self._pending = self._needs_maintenance()
+        return self.content()
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention for the step that just wrote its tokens (see attention.py)."""
+        k, v = self.full.view()
+        if not self._quant_len():
+            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+        qk, qv = self.quant.packed()
+        s = self.sinks
+        parts = [
+            ("full", k[..., :s, :], v[..., :s, :]),
+            ("quant", qk, qv),
+            ("full", k[..., s:, :], v[..., s:, :]),
+        ]
+        if not s:
+            parts = parts[1:]
+        # Quantised keys sit delta_q positions further on (see the class docstring): scores
+        # against them use queries moved by the same amount, since only relative position counts.
+        shifted = self.repos.shift(queries, self.delta_q) if self.delta_q else None
+        return attend_mixed(queries, parts, scale, mask, self.quant.bits, self.quant.group_size, shifted)
+
+    def content(self) -> tuple[mx.array | None, mx.array | None]:
+        """All held K/V in sequence order at compacted positions, full precision (lazy)."""
+        if not self._held():
+            return None, None
+        k, v = self.full.view()
+        if not self._quant_len():
+            return k, v
+        qk, qv = self.quant.dequantized()
+        if self.delta_q:
+            qk = self.repos.shift(qk, -self.delta_q)
+        s = self.sinks
+        return (
+            mx.concatenate([k[..., :s, :], qk.astype(k.dtype), k[..., s:, :]], axis=2),
+            mx.concatenate([v[..., :s, :], qv.astype(v.dtype), v[..., s:, :]], axis=2),
+        )
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` tokens held (recent first, then quantised, then sinks)."""
+        if self._pending:
+            self._maintain()
+        want, done = n, 0
+        floor = self.sinks if self._quant_len() else 0
+        take = min(want, self.full.length - min(floor, self.full.length))
+        self.full.trim(take)
+        done += take
+        if self.quant is not None and done < want:
+            take = min(want - done, self.quant.length)
+            self.quant.trim(take)
+            done += take
+        if done < want and not self._quant_len():
+            take = min(want - done, self.full.length)
+            self.full.trim(take)
+            done += take
+        if not self._quant_len():
+            self.delta_q = 0
+        return done
+
+    def usage(self) -> CacheUsage:
+        if self._pending:
+            self._maintain()
+        fb, qb = self.full.token_bytes(), (self.quant.token_bytes() if self.quant else 0)
+        ql, qc = (self.quant.length, self.quant.capacity) if self.quant else (0, 0)
+        return CacheUsage(
+            full_tokens=self.full.length, quant_tokens=ql, evicted=self.evicted,
+            full_slots=self.full.capacity, quant_slots=qc,
+            full_bytes=fb * self.full.length, quant_bytes=qb * ql,
+            full_bytes_allocated=fb * self.full.capacity, quant_bytes_allocated=qb * qc,
+        )
+
+    # ---- maintenance ----------------------------------------------------------------------
+    def _held(self) -> int:
+        return self.full.length + self._quant_len()
+
+    def _quant_len(self) -> int:
+        return self.quant.length if self.quant is not None else 0
+
+    def _recent(self) -> int:
+        return self.full.length - min(self.sinks, self.full.length)
+
+    def _flush_due(self) -> bool:
+        return (
+            self.quant is not None
+            and self._held() >= self.quant_start
+            and self._recent() >= (self.window or 0) + self.chunk
+        )
+
+    def _evict_due(self) -> bool:
+        return self.budget is not None and self._held() >= self.budget + self.chunk
+
+    def _needs_maintenance(self) -> bool:
+        return self._flush_due() or self._evict_due()
+
+    def _maintain(self) -> None:
+        self._pending = False
+        if self._flush_due():
+            self._flush(self._recent() - (self.window or 0))
+        if self._evict_due():
+            self._evict(self._held() - self.budget)
+
+    def _flush(self, n: int) -> None:
+        """Quantise the ``n`` oldest recent tokens into the middle."""
+        s = self.sinks if self.full.length > self.sinks else 0
+        k, v = self.full.view(s, s + n)
+        if self.delta_q:
+            k = self.repos.shift(k, self.delta_q)
+        self.quant.append(k, v)
+        self.full.remove(s, n)
+
+    def _evict(self, n: int) -> None:
+        """Drop the ``n`` oldest non-sink tokens and move what follows back by ``n`` positions."""
+        from_quant = min(n, self._quant_len())
+        if from_quant:
+            self.quant.remove_front(from_quant)
+            self.delta_q = self.delta_q + from_quant if self.quant.length else 0
+        from_recent = n - from_quant
+        if from_recent:
+            self.full.remove(self.sinks, from_recent)
+        self.full.rotate(self.sinks, -n, self.repos)
+        self.evicted += n
+
+    # ---- persistence ----------------------------------------------------------------------
+    @property
+    def state(self):
+        if not self._held():
+            return []
+        k, v = self.full.view()
+        out = [k, v]
+        if self._quant_len():
+            qk, qv = self.quant.packed()
+            out += list(qk) + list(qv)
+        return out
+
+    @state.setter
+    def state(self, v):
+        self.full = FullBuffer(self.settings.chunk_size)
+        if v:
+            self.full.append(v[0], v[1])
+        if len(v) > 2:
+            q = self.quant
+            q.keys, q.values = list(v[2:5]), list(v[5:8])
+            q.length = v[2].shape[2]
+
+    @property
+    def meta_state(self):
+        return tuple(str(x) for x in (self.delta_q, self.evicted))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.delta_q, self.evicted = (int(x) for x in v)
+
+
+
+class PreallocKVCache(SegmentedKVCache):
+    """Contiguous buffer, grown by whole chunks, written in place; keeps every token."""
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
+        super().__init__(settings)
+
+
+class QuantizedKVCache(SegmentedKVCache):
+    """Full precision until ``quant_start`` tokens, then quantised ``evict_chunk`` at a time.
+
+    Up to ``evict_chunk - 1`` of the newest tokens wait at full precision for the next chunk
+    (the usage accounting shows them as such).
+    """
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
+        super().__init__(settings, window=0, quantize=True, quant_start=settings.quant_start)
+
+
+class WindowKVCache(SegmentedKVCache):
+    """Attention sinks plus a sliding window at full precision; memory bounded."""
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
+        super().__init__(settings, sinks=settings.sinks, window=settings.window,
+                         budget=settings.budget, repositioner=repositioner)
+
+
+class WindowQuantKVCache(SegmentedKVCache):
+    """Sinks and a recent window at full precision, older tokens quantised, a token budget."""
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
+        super().__init__(settings, sinks=settings.sinks, window=settings.window, quantize=True,
+                         budget=settings.budget, repositioner=repositioner)
+
+
+CACHE_CLASSES: dict[str, type] = {
+    "concat": ConcatKVCache,
+    "prealloc": PreallocKVCache,
+    "quantized": QuantizedKVCache,
+    "window": WindowKVCache,
+    "window-quant": WindowQuantKVCache,
+}

@@ -1,0 +1,1 @@
+"""Model loading, generation, conversation and the session manager (no UI)."""

@@ -1,0 +1,77 @@
+"""Random-weight Llama models with realistic shapes, for tests and benchmarks.
+
+They run through mlx-lm's own Llama code, so everything that works on them works on a
+downloaded model of the same architecture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+
+@dataclass
+class LlamaShape:
+    hidden_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 4096
+    rope_traditional: bool = False
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def config(self) -> dict:
+        return {"model_type": "llama", **asdict(self)}
+
+
+def build_random_llama(
+    shape: LlamaShape | None = None,
+    seed: int = 0,
+    dtype: mx.Dtype = mx.float32,
+    quantize_bits: int | None = None,
+    group_size: int = 64,
+) -> tuple[llama.Model, dict]:
+    """Build an mlx-lm Llama with random weights; optionally quantise its linear layers.
+
+    Weights are scaled so activations stay in a sane range over several layers, which keeps
+    logits comparisons meaningful (pure N(0,1) weights saturate the softmax).
+    """
+    shape = shape or LlamaShape()
+    config = shape.config()
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    params = []
+    for name, p in _flat(model.parameters()):
+        if name.endswith("norm.weight"):
+            params.append((name, mx.ones_like(p)))
+        else:
+            fan_in = p.shape[-1]
+            std = 1.0 if "embed_tokens" in name else fan_in**-0.5
+            params.append((name, (mx.random.normal(p.shape) * std).astype(dtype)))
+    model.load_weights(params)
+    if quantize_bits:
+        nn.quantize(
+            model,
+            group_size=group_size,
+            bits=quantize_bits,
+            class_predicate=lambda _, m: isinstance(m, nn.Linear)
+            and m.weight.shape[-1] % group_size == 0,
+        )
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
+    mx.eval(model.parameters())
+    model.eval()
+    return model, config
+
+
+def _flat(tree, prefix=""):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree, prefix=prefix)

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random-weight Llamas and the real models in ../shared/models."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_MODELS = REPO.parent / "shared" / "models"
+
+
+def shared_model(name: str) -> Path:
+    path = SHARED_MODELS / name
+    if not (path / "config.json").exists():
+        pytest.skip(f"needs the shared test model {name} in {SHARED_MODELS} (../shared is absent)")
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_llama(layers: int = 2, head_dim: int = 64, kv_heads: int = 2, heads: int = 8, max_pos: int = 4096,
+               seed: int = 0, quantize_bits: int | None = None):
+    """A random-weight mlx-lm Llama with GQA; cached because tests only read it."""
+    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+
+    shape = LlamaShape(
+        hidden_size=heads * head_dim // 2, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=256,
+        max_position_embeddings=max_pos,
+    )
+    model, _ = build_random_llama(shape, seed=seed, quantize_bits=quantize_bits)
+    return model
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    return shared_model("stories260K")
+
+
+@pytest.fixture(scope="session")
+def stories4_path() -> Path:
+    return shared_model("stories260K-4bit")
+
+
+@pytest.fixture(scope="session")
+def stories(stories_path):
+    from mlx_lm import load
+
+    return load(str(stories_path))
