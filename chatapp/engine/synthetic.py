@@ -75,3 +75,23 @@ def _flat(tree, prefix=""):
     from mlx.utils import tree_flatten
 
     return tree_flatten(tree, prefix=prefix)
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens + <s>, </s>) wrapped as mlx-lm's TokenizerWrapper.
+
+    Built in memory with the ``tokenizers`` library, so random-weight models get a real
+    tokenizer (streaming detokeniser included) without any files from outside.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return TokenizerWrapper(fast)

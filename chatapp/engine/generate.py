@@ -1,0 +1,86 @@
+"""Sampling settings, stop handling, and the events a turn streams to its caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .stats import TurnStats
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    temp: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 512
+    repetition_penalty: float = 1.0
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        # mlx-lm's samplers; top_p of 1.0 means "off" there as 0.0 does.
+        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
+        return make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+
+    def processors(self) -> list:
+        if self.repetition_penalty and self.repetition_penalty != 1.0:
+            return make_logits_processors(repetition_penalty=self.repetition_penalty)
+        return []
+
+
+# ---- events a turn yields ---------------------------------------------------------------------
+@dataclass
+class PrefillProgress:
+    done: int
+    total: int
+    stats: TurnStats
+
+
+@dataclass
+class TokenEvent:
+    text: str  # newly decoded text (may be "" while a multi-byte character or stop string is pending)
+    token: int
+    stats: TurnStats
+
+
+@dataclass
+class TurnDone:
+    text: str  # the whole reply as kept in the conversation
+    stats: TurnStats
+
+
+class StopMatcher:
+    """Holds back text that could be the start of a stop string, so none is ever shown."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""  # everything accepted so far
+        self.shown = 0  # how much of it has been released
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to show now, stopped)."""
+        self.text += segment
+        for s in self.stops:
+            i = self.text.find(s)
+            if i >= 0:
+                self.text = self.text[:i]
+                return self._release(len(self.text)), True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self._release(len(self.text) - hold), False
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        out = self.text[self.shown : upto] if upto > self.shown else ""
+        self.shown = max(self.shown, upto)
+        return out

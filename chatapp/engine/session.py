@@ -1,0 +1,409 @@
+"""The session manager: one conversation, its per-layer caches, and the policy across turns.
+
+Each turn renders the whole conversation, compares the token ids with those the cache
+already represents, trims the cache back to the common prefix and prefills only the rest. So a
+new turn costs its new tokens, and regenerate / edit-last-message cost only what changed.
+
+Everything here runs on one thread (MLX streams belong to threads); ``cancel()`` is the one
+method meant to be called from another thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import mlx.core as mx
+
+from cache import (
+    CacheConfigError,
+    CacheSettings,
+    convert_caches,
+    make_caches,
+    model_geometry,
+    total_usage,
+)
+
+from .conversation import Conversation, PromptFormat
+from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
+from .stats import CacheView, StepStat, TurnStats
+
+AUTO = "auto"
+FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
+
+
+@dataclass
+class SwitchReport:
+    mode: str
+    action: str  # "converted", "reprefilled", "unchanged"
+    reason: str
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        verb = {"converted": "converted the live cache", "reprefilled": "re-prefilled the conversation",
+                "unchanged": "nothing to do"}[self.action]
+        extra = f"; {'; '.join(self.notes)}" if self.notes else ""
+        return f"cache mode {self.mode}: {verb} in {self.seconds * 1000:.0f} ms ({self.reason}){extra}"
+
+
+class Session:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        cache_settings: CacheSettings | None = None,
+        mode: str = AUTO,
+        long_after: int = 2048,
+        generation: GenerationSettings | None = None,
+        system: str = "",
+        raw: bool = False,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.geometry = model_geometry(model)
+        self.base_settings = cache_settings or CacheSettings()
+        self.requested_mode = mode
+        self.long_after = long_after
+        self.generation = generation or GenerationSettings()
+        self.format = PromptFormat.for_tokenizer(tokenizer, raw=raw)
+        self.conversation = Conversation.start(system)
+        self.notices: list[str] = []
+        self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
+        self._cancel = threading.Event()
+        self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
+        self.caches = make_caches(model, self.settings, self.geometry)
+        self.cached: list[int] = []  # token ids the caches represent, evicted ones included
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_ids.add(tokenizer.eos_token_id)
+
+    # ---- settings and modes -------------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return self.settings.mode
+
+    def _settings_for(self, mode: str, **changes) -> CacheSettings:
+        settings = self.base_settings.with_(mode=mode, **changes)
+        settings, notes = settings.fitted(self.geometry.max_positions)
+        self.notices.extend(n for n in notes if n not in self.notices)
+        return settings
+
+    def _long_mode(self) -> str:
+        """The policy for long conversations: window-quant, or window where KV cannot be quantised."""
+        try:
+            from cache import check_settings
+
+            check_settings(self._settings_for("window-quant"), self.geometry)
+            return "window-quant"
+        except CacheConfigError as e:
+            note = f"auto policy uses window instead of window-quant: {e}"
+            if note not in self.notices:
+                self.notices.append(note)
+            return "window"
+
+    def switch_mode(self, mode: str, **changes) -> SwitchReport:
+        """Switch the cache mode (and settings) now: convert the live cache, or re-prefill."""
+        self.requested_mode = mode
+        if mode == AUTO:
+            target = self._long_mode() if len(self.cached) > self.long_after else "prealloc"
+        else:
+            target = mode
+        if changes:
+            self.base_settings = self.base_settings.with_(**changes)
+        settings = self._settings_for(target)
+        start = time.perf_counter()
+        conv = convert_caches(self.caches, self.model, settings)
+        self.caches, self.settings = conv.caches, settings
+        if conv.action == "reprefill":
+            tokens, self.cached = self.cached, []
+            if tokens:
+                for _ in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
+                    pass
+            return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start)
+        return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start)
+
+    def _apply_policy(self, upcoming: int) -> SwitchReport | None:
+        """Auto mode: prealloc while short, the long-history policy once past ``long_after``."""
+        if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
+            return None
+        report = self.switch_mode(AUTO)
+        self.requested_mode = AUTO
+        return report
+
+    def _prefill_step(self) -> int:
+        return self.settings.evict_chunk if self.settings.evicts else FULL_PREFILL_STEP
+
+    # ---- conversation operations ----------------------------------------------------------------
+    def send(self, text: str) -> Iterator:
+        self.conversation.add("user", text)
+        return self.reply()
+
+    def regenerate(self) -> Iterator:
+        if self.conversation.last and self.conversation.last.role == "assistant":
+            self.conversation.messages.pop()
+        return self.reply()
+
+    def edit_last(self, text: str) -> Iterator:
+        i = self.conversation.last_index("user")
+        if i is None:
+            raise ValueError("there is no user message to edit")
+        del self.conversation.messages[i + 1 :]
+        self.conversation.messages[i].content = text
+        return self.reply()
+
+    def new_chat(self, system: str | None = None) -> None:
+        keep = system if system is not None else next(
+            (m.content for m in self.conversation.messages if m.role == "system"), "")
+        self.conversation = Conversation.start(keep)
+        for c in self.caches:
+            c.trim(c.offset)
+        self.cached = []
+        self.caches = make_caches(self.model, self.settings, self.geometry)
+
+    def cancel(self) -> None:
+        """Stop the running reply between two tokens (safe from any thread)."""
+        self._cancel.set()
+
+    # ---- one turn -----------------------------------------------------------------------------
+    def reply(self) -> Iterator[PrefillProgress | TokenEvent | TurnDone]:
+        """Generate the assistant's reply to the conversation as it stands, streaming events."""
+        self._cancel.clear()
+        t0 = time.perf_counter()
+        mx.reset_peak_memory()
+        prompt = self.format.tokens(self.conversation)
+        stats = TurnStats(prompt_tokens=len(prompt))
+        switch = self._apply_policy(len(prompt))
+        if switch:
+            stats.notices.append(switch.line())
+        if self.settings.budget is None and self.geometry.max_positions and len(prompt) > self.geometry.max_positions:
+            stats.notices.append(
+                f"the conversation ({len(prompt)} tokens) is longer than the model's trained context "
+                f"({self.geometry.max_positions}); {self.mode} keeps every token, so quality will degrade: "
+                "use window or window-quant (or auto) to keep positions inside it"
+            )
+        stats.mode = self.mode
+        reuse = self._reuse(prompt)
+        stats.reused_tokens = reuse
+        rest = prompt[reuse:]
+        stats.prefill_tokens = len(rest)
+        t_prefill = time.perf_counter()
+        logits = None
+        for item in self._prefill(rest, stats, step=self._prefill_step()):
+            if isinstance(item, PrefillProgress):
+                yield item
+            else:
+                logits = item
+            if self._cancel.is_set():
+                break
+        stats.prefill_seconds = time.perf_counter() - t_prefill
+        if logits is None:  # cancelled during prefill
+            stats.finish = "cancelled"
+            self._finish(stats, t0, "", interrupted=True)
+            yield TurnDone("", stats)
+            return
+        yield from self._decode(logits, stats, t0)
+
+    def _reuse(self, prompt: list[int]) -> int:
+        """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
+        common = 0
+        for a, b in zip(self.cached, prompt):
+            if a != b:
+                break
+            common += 1
+        if common == len(prompt):
+            common -= 1  # the last prompt token must run again to give the next token's logits
+        evicted = self.caches[0].evicted
+        sinks = self.settings.sinks if self.settings.evicts else 0
+        if evicted and common < sinks + evicted:
+            # The divergence lies in history the window already dropped: start over.
+            self.caches = make_caches(self.model, self.settings, self.geometry)
+            self.cached = []
+            return 0
+        drop = len(self.cached) - common
+        if drop:
+            for c in self.caches:
+                c.trim(drop)
+            del self.cached[common:]
+        return common
+
+    def _prefill(self, tokens: list[int], stats: TurnStats, step: int):
+        """Run ``tokens`` through the model in chunks; yields progress, then the last logits."""
+        done = 0
+        logits = None
+        while done < len(tokens):
+            chunk = tokens[done : done + step]
+            out = self.model(mx.array([chunk]), cache=self.caches)
+            done += len(chunk)
+            self.cached.extend(chunk)
+            if done < len(tokens):
+                mx.eval([c.state for c in self.caches])
+                yield PrefillProgress(done, len(tokens), stats)
+                if self._cancel.is_set():
+                    return
+            else:
+                logits = out[:, -1, :]
+                mx.eval(logits)
+        if logits is not None:
+            yield logits
+
+    def _decode(self, logits: mx.array, stats: TurnStats, t0: float):
+        gen = self.generation
+        if gen.seed is not None:
+            mx.random.seed(gen.seed)
+        sampler, processors = gen.sampler(), gen.processors()
+        history = mx.array(self.cached[-64:]) if processors else None
+
+        def sample(lg):
+            nonlocal history
+            if processors:
+                for p in processors:
+                    lg = p(history, lg)
+            logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
+            return sampler(logprobs)
+
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        stops = StopMatcher(self.format.stop_strings)
+        y = sample(logits)
+        mx.async_eval(y)
+        n, finish = 0, "length"
+        t_last = None
+        while True:
+            if self._cancel.is_set():
+                finish = "cancelled"
+                break
+            fed = n + 1 < gen.max_tokens
+            if fed:
+                # Schedule the next step before reading this token: the model runs while
+                # Python handles the current one (as mlx-lm's generate_step does).
+                context = self.caches[0].offset + 1
+                nxt = self.model(y[None], cache=self.caches)[:, -1, :]
+                if processors:
+                    history = mx.concatenate([history, y])
+                y_next = sample(nxt)
+                mx.async_eval(y_next)
+            tok = y.item()
+            now = time.perf_counter()
+            if fed:
+                self.cached.append(tok)
+            if n == 0:
+                stats.ttft = now - t0
+            elif t_last is not None:
+                stats.steps.append(StepStat(context, (now - t_last) * 1000))
+            t_last = now
+            if tok in self.eos_ids:
+                finish = "eos"
+                break
+            detok.add_token(tok)
+            n += 1
+            stats.generated_tokens = n
+            stats.decode_seconds = now - t0 - stats.ttft
+            shown, stopped = stops.feed(detok.last_segment)
+            yield TokenEvent(shown, tok, stats)
+            if stopped:
+                finish = "stop"
+                break
+            if not fed:
+                break
+            y = y_next
+        detok.finalize()
+        tail, stopped = stops.feed(detok.last_segment)
+        tail += "" if stopped else stops.flush()
+        if stopped and finish not in ("cancelled",):
+            finish = "stop"
+        if tail:
+            yield TokenEvent(tail, -1, stats)
+        stats.finish = finish
+        text = stops.text
+        if self.format.fmt == "plain":
+            text = text.strip()
+        self._finish(stats, t0, text, interrupted=finish == "cancelled")
+        yield TurnDone(text, stats)
+
+    def _finish(self, stats: TurnStats, t0: float, text: str, interrupted: bool) -> None:
+        # A cancelled reply is kept, marked interrupted: the cache holds its tokens, so the
+        # conversation and the cache agree and the next turn reuses them.
+        if text or not interrupted:
+            self.conversation.add("assistant", text, interrupted=interrupted)
+        stats.peak_memory = mx.get_peak_memory()
+        stats.cache = self.cache_view()
+        self.history.append(stats)
+        self._apply_policy(len(self.cached))
+
+    # ---- what the UI shows ------------------------------------------------------------------
+    def cache_view(self) -> CacheView:
+        usage = total_usage(self.caches)
+        evicted = self.caches[0].evicted
+        first_visible = 0
+        if evicted:
+            limit = (self.settings.sinks if self.settings.evicts else 0) + evicted
+            starts = self.format.message_starts(self.conversation) + [len(self.cached)]
+            first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
+        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        return CacheView(
+            mode=self.mode, tokens=usage.tokens, capacity=usage.capacity,
+            full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=evicted,
+            bytes_held=usage.bytes_held, bytes_allocated=usage.bytes_allocated,
+            full_bytes=usage.full_bytes, quant_bytes=usage.quant_bytes,
+            memory_total=int(info.get("memory_size", 0) or 0),
+            conversation_tokens=len(self.cached), first_visible_message=first_visible,
+            per_layer_bytes=[c.nbytes for c in self.caches],
+        )
+
+
+@dataclass
+class CompareRow:
+    mode: str
+    context: int  # tokens in the cache when the last turn started
+    prompt_tokens: int
+    ttft: float
+    prefill_tps: float
+    decode_tps: float
+    generated: int
+    reply: str
+    error: str = ""
+
+
+def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> Iterator[CompareRow]:
+    """Replay the conversation's last turn in each mode on a copy of the session.
+
+    Each copy first prefills the history before the last user message (not timed), then runs
+    the last turn greedily and reports its TTFT and decode rate, so the modes are compared on
+    the same context.
+    """
+    conv = session.conversation.copy()
+    if conv.last and conv.last.role == "assistant":
+        conv.messages.pop()
+    i = conv.last_index("user")
+    if i is None:
+        return
+    history = conv.copy()
+    del history.messages[i:]
+    gen = GenerationSettings(temp=0.0, max_tokens=max_tokens)
+    for mode in modes:
+        try:
+            twin = Session(session.model, session.tokenizer, cache_settings=session.base_settings, mode=mode,
+                           long_after=session.long_after, generation=gen)
+        except CacheConfigError as e:
+            yield CompareRow(mode, 0, 0, 0.0, 0.0, 0.0, 0, "", error=str(e))
+            continue
+        twin.format = session.format
+        twin.conversation = history.copy()
+        if history.messages:
+            prefix = twin.format.tokens(history, generation_prompt=False)
+            for _ in twin._prefill(prefix, TurnStats(), step=twin._prefill_step()):
+                pass
+        twin.conversation = conv.copy()
+        context = twin.caches[0].offset
+        done = None
+        for ev in twin.reply():
+            if isinstance(ev, TurnDone):
+                done = ev
+        s = done.stats
+        yield CompareRow(mode, context, s.prompt_tokens, s.ttft, s.prefill_tps, s.decode_tps,
+                         s.generated_tokens, done.text)
+        del twin

@@ -1,0 +1,97 @@
+"""Statistics of a turn, updated live, plus per-step timings kept for plotting."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepStat:
+    context: int  # tokens the model attended to at this step
+    ms: float  # wall time of the step
+
+
+@dataclass
+class CacheView:
+    """Cache usage as the UI shows it; plain numbers only (the UI never touches MLX arrays)."""
+
+    mode: str = ""
+    tokens: int = 0
+    capacity: int = 0
+    full_tokens: int = 0
+    quant_tokens: int = 0
+    evicted: int = 0
+    bytes_held: int = 0
+    bytes_allocated: int = 0
+    full_bytes: int = 0
+    quant_bytes: int = 0
+    memory_total: int = 0  # bytes of device memory: the budget the share is taken of
+    conversation_tokens: int = 0  # tokens the whole conversation renders to
+    first_visible_message: int = 0  # messages before this one are outside the model's window
+    per_layer_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def memory_share(self) -> float:
+        return self.bytes_held / self.memory_total if self.memory_total else 0.0
+
+    @property
+    def in_view(self) -> float:
+        """Share of the conversation's tokens the model still sees."""
+        if not self.conversation_tokens:
+            return 1.0
+        return min(1.0, self.tokens / self.conversation_tokens)
+
+
+@dataclass
+class TurnStats:
+    mode: str = ""
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens already in the cache
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    ttft: float = 0.0  # seconds from the turn's start to its first token
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    finish: str = ""  # "eos", "stop", "length", "cancelled"
+    peak_memory: int = 0
+    cache: CacheView = field(default_factory=CacheView)
+    notices: list[str] = field(default_factory=list)
+    steps: list[StepStat] = field(default_factory=list)
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # The first token comes from the prefill's logits; decode rate counts the steps after it.
+        n = self.generated_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    def to_json(self, with_steps: bool = True) -> dict:
+        d = asdict(self)
+        d["prefill_tps"] = self.prefill_tps
+        d["decode_tps"] = self.decode_tps
+        d["cache"]["memory_share"] = self.cache.memory_share
+        d["cache"]["in_view"] = self.cache.in_view
+        if not with_steps:
+            d.pop("steps")
+        return d
+
+    def short(self) -> str:
+        c = self.cache
+        return (
+            f"[{self.mode}] prompt {self.prompt_tokens} (reused {self.reused_tokens}) | "
+            f"prefill {self.prefill_tps:.1f} tok/s | TTFT {self.ttft * 1000:.0f} ms | "
+            f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok, {self.finish}) | "
+            f"cache {c.tokens}/{c.capacity} tok, {fmt_bytes(c.bytes_held)}/{fmt_bytes(c.bytes_allocated)} "
+            f"(full {c.full_tokens}, quant {c.quant_tokens}, evicted {c.evicted})"
+        )
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,211 @@
+"""The session manager: cache reuse across turns, regenerate, edit, cancel, mode switches."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache import CacheSettings
+from chatapp.engine.conversation import Conversation, PromptFormat
+from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone
+from chatapp.engine.session import Session, compare_modes
+
+GREEDY = GenerationSettings(temp=0.0, max_tokens=24)
+QUESTIONS = [
+    "Tell me about a cat.", "What did the cat eat?", "Where did it sleep?", "Who was its friend?",
+    "What colour was the ball?", "Why was Lily sad?", "What happened next?", "Did they play?",
+    "Was it sunny?", "How did it end?",
+]
+
+
+def run(events) -> TurnDone:
+    done = None
+    for ev in events:
+        if isinstance(ev, TurnDone):
+            done = ev
+    return done
+
+
+def fresh_reply(model, tokenizer, conv: Conversation, generation=GREEDY, **kw) -> TurnDone:
+    s = Session(model, tokenizer, generation=generation, **kw)
+    s.conversation = conv.copy()
+    return run(s.reply())
+
+
+@pytest.mark.parametrize("turns", [2, 10])
+def test_turns_prefill_only_new_tokens_and_match_fresh_runs(stories, turns):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+    for n, q in enumerate(QUESTIONS[:turns]):
+        before = len(s.cached)
+        done = run(s.send(q))
+        st = done.stats
+        # Everything the cache held is reused (but a token fed after the reply ended, when the
+        # re-rendered text tokenises differently), and only the tokens not in it are prefilled.
+        assert st.reused_tokens >= before - 2
+        assert st.prefill_tokens == st.prompt_tokens - st.reused_tokens
+        assert st.prefill_tokens <= st.prompt_tokens - before + 2
+        conv = s.conversation.copy()
+        conv.messages.pop()
+        assert fresh_reply(model, tok, conv, mode="prealloc").text == done.text
+
+
+def test_regenerate_and_edit_reuse_the_prefix(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+    run(s.send(QUESTIONS[0]))
+    first = run(s.send(QUESTIONS[1]))
+    again = run(s.regenerate())
+    assert again.text == first.text
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1  # only the last token re-runs
+    head = s.conversation.copy()
+    del head.messages[head.last_index("user"):]
+    unchanged = len(s.format.tokens(head, generation_prompt=False))
+    edited = run(s.edit_last("Where did the dog go?"))
+    conv = s.conversation.copy()
+    conv.messages.pop()
+    # Everything before the edited message is reused; only the edited message onwards runs.
+    assert edited.stats.reused_tokens >= unchanged
+    assert edited.stats.prefill_tokens == edited.stats.prompt_tokens - edited.stats.reused_tokens
+    assert fresh_reply(model, tok, conv, mode="prealloc").text == edited.text
+
+
+def test_cancel_keeps_cache_and_conversation_in_step(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GenerationSettings(temp=0.0, max_tokens=40), mode="prealloc")
+    seen = 0
+    done = None
+    for ev in s.send(QUESTIONS[0]):
+        if isinstance(ev, TokenEvent):
+            seen += 1
+            if seen == 5:
+                s.cancel()
+        if isinstance(ev, TurnDone):
+            done = ev
+    assert done.stats.finish == "cancelled" and done.stats.generated_tokens == 5
+    assert s.conversation.last.role == "assistant" and s.conversation.last.interrupted
+    assert len(s.cached) == s.caches[0].offset
+    nxt = run(s.send(QUESTIONS[1]))
+    conv = s.conversation.copy()
+    conv.messages.pop()
+    assert fresh_reply(model, tok, conv, s.generation, mode="prealloc").text == nxt.text
+
+
+def test_mode_switch_mid_conversation_matches_fresh_run(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+    run(s.send(QUESTIONS[0]))
+    run(s.send(QUESTIONS[1]))
+    held = s.caches[0].offset
+    report = s.switch_mode("window")
+    assert report.action == "converted" and report.seconds >= 0
+    assert s.caches[0].offset == held and s.mode == "window"
+    done = run(s.send(QUESTIONS[2]))
+    assert done.stats.mode == "window" and done.stats.reused_tokens >= held - 2
+    conv = s.conversation.copy()
+    conv.messages.pop()
+    assert fresh_reply(model, tok, conv, mode="window").text == done.text
+
+
+def test_switch_back_from_an_evicted_window_reprefills(stories):
+    model, tok = stories
+    settings = CacheSettings(sinks=4, window=64, evict_chunk=32)
+    s = Session(model, tok, generation=GREEDY, mode="window", cache_settings=settings)
+    for q in QUESTIONS[:4]:
+        run(s.send(q))
+    assert s.caches[0].evicted > 0
+    report = s.switch_mode("prealloc")
+    assert report.action == "reprefilled" and "dropped" in report.reason
+    assert s.caches[0].offset == len(s.cached) and s.caches[0].evicted == 0
+
+
+def test_auto_policy_switches_to_window_when_long(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="auto", long_after=100,
+                cache_settings=CacheSettings(sinks=4, window=128, evict_chunk=32, max_kv_tokens=256))
+    assert s.mode == "prealloc"
+    for q in QUESTIONS[:5]:
+        done = run(s.send(q))
+    # stories260K has head_dim 8, too small to quantise: the policy falls back to window.
+    assert s.mode == "window"
+    assert any("window instead of window-quant" in n for n in s.notices)
+    assert done.stats.cache.tokens <= 256 + 32
+
+
+def test_eviction_tracks_what_the_model_still_sees(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="window",
+                cache_settings=CacheSettings(sinks=4, window=48, evict_chunk=16))
+    for q in QUESTIONS[:5]:
+        done = run(s.send(q))
+    view = done.stats.cache
+    assert view.evicted > 0 and view.in_view < 1.0
+    assert view.first_visible_message >= 1
+    assert len(s.conversation.messages) == 10  # the transcript keeps everything
+
+
+def test_plain_transcript_format_for_models_without_template(stories):
+    model, tok = stories
+    fmt = PromptFormat.for_tokenizer(tok)
+    assert fmt.fmt == "plain"
+    conv = Conversation.start("Be kind.")
+    conv.add("user", "Hi")
+    conv.add("assistant", "Hello")
+    conv.add("user", "Bye")
+    assert fmt.text(conv) == "Be kind.\n\nUser: Hi\nAssistant: Hello\n\nUser: Bye\nAssistant:"
+    assert PromptFormat.for_tokenizer(tok, raw=True).text(conv) == "Be kind.HiHelloBye"
+
+
+def test_raw_mode_continues_the_story(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GenerationSettings(temp=0.0, max_tokens=12), raw=True)
+    done = run(s.send("Once upon a time,"))
+    assert done.text.strip().startswith("there was a little girl named Lily.")
+
+
+def test_stop_matcher_never_shows_a_stop_string():
+    m = StopMatcher(["\nUser:"])
+    shown = ""
+    for seg in ["Hello", " there", "\n", "Us", "er", ": more"]:
+        out, stopped = m.feed(seg)
+        shown += out
+        if stopped:
+            break
+    assert stopped and shown == "Hello there" and m.text == "Hello there"
+    m = StopMatcher(["\nUser:"])
+    out, _ = m.feed("a\nU")
+    assert out == "a" and m.flush() == "\nU"
+
+
+def test_compare_modes_replays_last_turn(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+    run(s.send(QUESTIONS[0]))
+    run(s.send(QUESTIONS[1]))
+    rows = list(compare_modes(s, ["concat", "prealloc", "window", "window-quant"], max_tokens=8))
+    assert [r.mode for r in rows] == ["concat", "prealloc", "window", "window-quant"]
+    ok = [r for r in rows if not r.error]
+    assert len(ok) == 3 and all(r.ttft > 0 and r.generated == 8 for r in ok)
+    assert ok[0].reply == ok[1].reply  # same cache contents, same greedy reply
+    assert "head_dim" in rows[3].error
+
+
+def test_random_model_all_modes_multi_turn():
+    """A random-weight model with head_dim 64: every mode runs several turns without error,
+    and the quantised modes really hold quantised tokens."""
+    from tests.conftest import tiny_llama
+
+    from chatapp.engine.synthetic import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = tiny_llama(layers=2)
+    settings = CacheSettings(sinks=4, window=64, evict_chunk=32, max_kv_tokens=160, quant_start=64)
+    for mode in ["concat", "prealloc", "quantized", "window", "window-quant"]:
+        s = Session(model, tok, generation=GenerationSettings(temp=0.0, max_tokens=20), mode=mode,
+                    cache_settings=settings)
+        for q in ["hello there, model", "another line of text", "and a third one"]:
+            done = run(s.send(q))
+            assert done.stats.generated_tokens > 0
+        view = s.cache_view()
+        assert view.tokens == s.caches[0].offset == len(s.cached) - view.evicted
+        if mode in ("quantized", "window-quant"):
+            assert view.quant_tokens > 0
