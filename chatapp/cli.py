@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"chatapp: error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # SetupError (imported lazily: it pulls in MLX)
+        if type(e).__name__ != "SetupError":
+            raise
+        print(f"chatapp: error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("chatapp: interrupted", file=sys.stderr)
         return 130
@@ -142,50 +147,16 @@ def _preload_blas_from_env():
     return _preload_blas(os.environ.get("CHATAPP_BLAS", "auto"))
 
 
-def load_engine(config, progress=None):
-    """Load the model (download if needed) and prepare it for this backend."""
-    from .engine.loader import ModelLoadError, load_model
-
-    try:
-        loaded = load_model(config.model.id, progress=progress, dtype=config.model.dtype)
-    except ModelLoadError as e:
-        raise UserError(str(e)) from None
-    return loaded
-
-
-def make_session(config, loaded):
-    from cache import CacheConfigError, CacheSettings
-
-    from .engine.generate import GenerationSettings
-    from .engine.session import Session
-
-    c, s = config.cache, config.sampling
-    try:
-        settings = CacheSettings(
-            mode=c.mode if c.mode != "auto" else "prealloc", chunk_size=c.chunk_size, sinks=c.sinks,
-            window=c.window, evict_chunk=c.evict_chunk, kv_bits=c.kv_bits, kv_group_size=c.kv_group_size,
-            quant_start=c.quant_start, max_kv_tokens=c.max_kv_tokens,
-        )
-        gen = GenerationSettings(
-            temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-            max_tokens=s.max_tokens, repetition_penalty=s.repetition_penalty,
-        )
-        return Session(
-            loaded.model, loaded.tokenizer, cache_settings=settings, mode=c.mode, long_after=c.long_after,
-            generation=gen, system=config.chat.system, raw=config.chat.raw,
-        )
-    except CacheConfigError as e:
-        raise UserError(f"cache.{e}") from None
-
-
 def run_no_tui(args, config, blas) -> int:
     from .engine.generate import TokenEvent, TurnDone
     from .textsafe import printable
 
     if args.verbose and blas is not None:
         print(f"chatapp: BLAS: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
+    from .engine.setup import load_engine, session_from_config
+
     loaded = load_engine(config)
-    session = make_session(config, loaded)
+    session = session_from_config(config, loaded)
     for note in session.notices:
         print(f"chatapp: note: {note}", file=sys.stderr)
     out = sys.stdout
