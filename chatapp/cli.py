@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--blas", help="auto, off, or a path to a BLAS library exporting cblas_*")
     x.add_argument("--dense-weights", choices=["auto", "on", "off"])
     p.add_argument("--data-dir", help="where conversations and snapshots are stored")
+    p.add_argument("--distributed", choices=["tensor", "pipeline"],
+                   help="shard the model over the ranks of an `mlx.launch` job (detected automatically when launched)")
     return p
 
 
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
             print(config.describe_text())
             return 0
         blas = _preload_blas(config.cpu.blas)
+        if args.distributed or _launched_distributed():
+            from .engine.distributed import run_distributed
+
+            return run_distributed(args, config, blas)
         if args.no_tui or args.prompt is not None:
             return run_no_tui(args, config, blas)
         from .ui.app import run_tui
@@ -133,6 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("chatapp: interrupted", file=sys.stderr)
         return 130
+
+
+def _launched_distributed() -> bool:
+    """True inside an `mlx.launch` job with more than one rank (read from its environment)."""
+    try:
+        from .engine.distributed import launched
+    except ImportError:
+        return False
+    return launched()
 
 
 def _preload_blas(setting: str):

@@ -107,17 +107,17 @@ class Session:
 
     def switch_mode(self, mode: str, **changes) -> SwitchReport:
         """Switch the cache mode (and settings) now: convert the live cache, or re-prefill."""
-        self.requested_mode = mode
         if mode == AUTO:
             target = self._long_mode() if len(self.cached) > self.long_after else "prealloc"
         else:
             target = mode
-        if changes:
-            self.base_settings = self.base_settings.with_(**changes)
-        settings = self._settings_for(target)
+        base = self.base_settings.with_(**changes) if changes else self.base_settings
+        settings, notes = base.with_(mode=target).fitted(self.geometry.max_positions)
         start = time.perf_counter()
-        conv = convert_caches(self.caches, self.model, settings)
+        conv = convert_caches(self.caches, self.model, settings)  # raises CacheConfigError first
         self.caches, self.settings = conv.caches, settings
+        self.base_settings, self.requested_mode = base, mode
+        self.notices.extend(n for n in notes if n not in self.notices)
         if conv.action == "reprefill":
             tokens, self.cached = self.cached, []
             if tokens:
@@ -159,8 +159,6 @@ class Session:
         keep = system if system is not None else next(
             (m.content for m in self.conversation.messages if m.role == "system"), "")
         self.conversation = Conversation.start(keep)
-        for c in self.caches:
-            c.trim(c.offset)
         self.cached = []
         self.caches = make_caches(self.model, self.settings, self.geometry)
 
@@ -329,10 +327,12 @@ class Session:
         # conversation and the cache agree and the next turn reuses them.
         if text or not interrupted:
             self.conversation.add("assistant", text, interrupted=interrupted)
+        switch = self._apply_policy(len(self.cached))
+        if switch:
+            stats.notices.append(switch.line())
         stats.peak_memory = mx.get_peak_memory()
         stats.cache = self.cache_view()
         self.history.append(stats)
-        self._apply_policy(len(self.cached))
 
     # ---- what the UI shows ------------------------------------------------------------------
     def cache_view(self) -> CacheView:
