@@ -39,6 +39,9 @@ class FullBuffer:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.length = 0
+        # The slices of the held tokens, made once per change: a decode step hands them to the
+        # model, to attention and to eval, and each slice costs a few microseconds of Python.
+        self._held_view: tuple[mx.array, mx.array] | None = None
 
     @property
     def capacity(self) -> int:
@@ -46,13 +49,20 @@ class FullBuffer:
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
-        self.keys = _grown(self.keys, self.length + n, self.step, keys)
-        self.values = _grown(self.values, self.length + n, self.step, values)
-        self.keys[..., self.length : self.length + n, :] = keys
-        self.values[..., self.length : self.length + n, :] = values
-        self.length += n
+        end = self.length + n
+        if self.keys is None or end > self.keys.shape[2]:
+            self.keys = _grown(self.keys, end, self.step, keys)
+            self.values = _grown(self.values, end, self.step, values)
+        self.keys[..., self.length : end, :] = keys
+        self.values[..., self.length : end, :] = values
+        self.length = end
+        self._held_view = None
 
     def view(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
+        if start == 0 and end is None:
+            if self._held_view is None:
+                self._held_view = (self.keys[..., : self.length, :], self.values[..., : self.length, :])
+            return self._held_view
         end = self.length if end is None else end
         return self.keys[..., start:end, :], self.values[..., start:end, :]
 
@@ -60,14 +70,17 @@ class FullBuffer:
         self.keys = _shift_left(self.keys, start, n, self.length)
         self.values = _shift_left(self.values, start, n, self.length)
         self.length -= n
+        self._held_view = None
 
     def rotate(self, start: int, delta: int, repos: Repositioner) -> None:
         """Re-position keys [start, length) by ``delta`` positions."""
         if delta and start < self.length:
             self.keys[..., start : self.length, :] = repos.shift(self.keys[..., start : self.length, :], delta)
+            self._held_view = None
 
     def trim(self, n: int) -> None:
         self.length -= n
+        self._held_view = None
 
     def token_bytes(self) -> int:
         """Bytes one token takes in K and V together."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .attention import install_attention
-from .kv import CACHE_CLASSES
+from .kv import CACHE_CLASSES, CacheStateError
 from .rope import Repositioner, check_pure_rotation
 from .settings import QUANT_GROUP_SIZES, CacheConfigError, CacheSettings
 
@@ -67,3 +67,60 @@ def make_caches(model, settings: CacheSettings, geometry: ModelGeometry | None =
     cls = CACHE_CLASSES[settings.mode]
     repos = Repositioner(geom.rope) if geom.rope is not None else None
     return [cls(settings, repositioner=repos) for _ in range(geom.n_layers)]
+
+
+def _check_state(i: int, state: list, settings: CacheSettings, geom: ModelGeometry) -> None:
+    """Shapes of one layer's saved state against the model and the settings."""
+    if not state:
+        return
+    k, v = state[0], state[1]
+    for name, x in (("keys", k), ("values", v)):
+        if x.ndim != 4 or x.shape[1] != geom.n_kv_heads:
+            raise CacheStateError(
+                f"layer {i}: {name} of shape {tuple(x.shape)} do not fit this model "
+                f"({geom.n_kv_heads} KV heads, layout [batch, heads, tokens, head_dim])"
+            )
+    if k.shape[3] != geom.head_dim or k.shape[2] != v.shape[2] or k.shape[0] != v.shape[0]:
+        raise CacheStateError(
+            f"layer {i}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit this model's head_dim "
+            f"({geom.head_dim})"
+        )
+    if len(state) == 8:
+        packed_dim = geom.head_dim * settings.kv_bits // 32
+        groups = geom.head_dim // settings.kv_group_size
+        qk = state[2:5]
+        if qk[0].shape[-1] != packed_dim or qk[1].shape[-1] != groups or qk[0].shape[1] != geom.n_kv_heads:
+            raise CacheStateError(
+                f"layer {i}: quantised keys {tuple(qk[0].shape)} do not fit {settings.kv_bits}-bit groups of "
+                f"{settings.kv_group_size} over head_dim {geom.head_dim}"
+            )
+
+
+def restore_caches(model, settings: CacheSettings, states: list, metas: list,
+                   geometry: ModelGeometry | None = None) -> list:
+    """Rebuild ``model``'s per-layer caches from saved ``state`` / ``meta_state`` values.
+
+    The inverse of reading ``[c.state for c in caches]`` and ``[c.meta_state for c in caches]``
+    from caches made with the same ``settings``: the restored caches hold the same tokens (full
+    precision and quantised), the same rotation delta and eviction count, and give the same
+    logits from the next step on. Pure MLX: the caller reads the arrays from wherever they were
+    kept. Raises :class:`CacheStateError` (a ValueError) when the state does not fit the model
+    or the settings, and :class:`CacheConfigError` when the settings do not fit the model.
+    """
+    geom = geometry or model_geometry(model)
+    caches = make_caches(model, settings, geom)
+    if len(states) != len(caches) or len(metas) != len(caches):
+        raise CacheStateError(
+            f"the state has {len(states)} layers (meta {len(metas)}), this model has {len(caches)}"
+        )
+    for i, (c, state, meta) in enumerate(zip(caches, states, metas)):
+        state = list(state)
+        _check_state(i, state, settings, geom)
+        try:
+            c.load_state(state, tuple(meta))
+        except CacheStateError as e:
+            raise CacheStateError(f"layer {i}: {e}") from None
+    held = {(c.offset, c.evicted) for c in caches}
+    if len(held) > 1:
+        raise CacheStateError(f"layers disagree on the tokens held / evicted: {sorted(held)}")
+    return caches

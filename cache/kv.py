@@ -25,6 +25,10 @@ from .settings import CacheSettings
 from .usage import CacheUsage
 
 
+class CacheStateError(ValueError):
+    """Saved cache state that cannot be restored into this cache; the message says why."""
+
+
 class _CacheBase:
     mode: str = ""
 
@@ -84,6 +88,13 @@ class ConcatKVCache(_CacheBase):
     def content(self) -> tuple[mx.array | None, mx.array | None]:
         return self.keys, self.values
 
+    def load_state(self, state, meta_state) -> None:
+        state = list(state)
+        if len(state) not in (0, 2):
+            raise CacheStateError(f"expected 0 or 2 state arrays, got {len(state)}")
+        self.state = state
+        self.meta_state = meta_state
+
     def usage(self) -> CacheUsage:
         if self.keys is None:
             return CacheUsage()
@@ -105,12 +116,14 @@ class ConcatKVCache(_CacheBase):
 
     @meta_state.setter
     def meta_state(self, v):
-        pass
+        if tuple(v):
+            raise CacheStateError(f"concat caches carry no meta state (got {tuple(v)!r})")
 
     @classmethod
     def from_state(cls, state, meta_state=()):
         c = cls()
         c.state = state
+        c.meta_state = meta_state
         return c
 
 
@@ -300,13 +313,27 @@ class SegmentedKVCache(_CacheBase):
 
     @state.setter
     def state(self, v):
+        """Rebuild the buffers from what ``state`` returned: [] or [keys, values] (sinks and
+        recent, full precision) plus, when tokens are quantised, K and V as (packed, scales,
+        biases) each. Pending maintenance is recomputed from the restored sizes, so a restored
+        cache goes on exactly as the saved one would have."""
+        v = list(v)
+        if len(v) not in (0, 2, 8):
+            raise CacheStateError(f"expected 0, 2 or 8 state arrays, got {len(v)}")
+        if len(v) == 8 and self.quant is None:
+            raise CacheStateError(f"the state holds quantised tokens but {self.mode} keeps none")
         self.full = FullBuffer(self.settings.chunk_size)
+        if self.quant is not None:
+            self.quant = QuantBuffer(self.settings.chunk_size, self.settings.kv_bits, self.settings.kv_group_size)
         if v:
             self.full.append(v[0], v[1])
-        if len(v) > 2:
+        if len(v) == 8:
+            n = v[2].shape[2]
+            if any(x.ndim != 4 or x.shape[2] != n for x in v[2:]):
+                raise CacheStateError("quantised key/value arrays disagree on the number of tokens")
             q = self.quant
-            q.keys, q.values = list(v[2:5]), list(v[5:8])
-            q.length = v[2].shape[2]
+            q.keys, q.values, q.length = list(v[2:5]), list(v[5:8]), n
+        self._pending = self._needs_maintenance()
 
     @property
     def meta_state(self):
@@ -314,7 +341,23 @@ class SegmentedKVCache(_CacheBase):
 
     @meta_state.setter
     def meta_state(self, v):
-        self.delta_q, self.evicted = (int(x) for x in v)
+        v = tuple(v)
+        try:
+            delta_q, evicted = (int(x) for x in v)
+        except (TypeError, ValueError):
+            raise CacheStateError(f"meta state must be two integers (delta_q, evicted), got {v!r}") from None
+        if delta_q < 0 or evicted < 0:
+            raise CacheStateError(f"delta_q and evicted must be >= 0 (got {delta_q}, {evicted})")
+        if evicted and self.budget is None:
+            raise CacheStateError(f"{self.mode} never evicts, but the state says {evicted} tokens were evicted")
+        if delta_q and not self._quant_len():
+            raise CacheStateError("a rotation delta (delta_q) without quantised tokens")
+        self.delta_q, self.evicted = delta_q, evicted
+
+    def load_state(self, state, meta_state) -> None:
+        """Set ``state`` then ``meta_state`` (the order the checks need)."""
+        self.state = state
+        self.meta_state = meta_state
 
 
 

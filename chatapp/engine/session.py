@@ -10,6 +10,7 @@ method meant to be called from another thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,19 @@ from .stats import CacheView, StepStat, TurnStats
 
 AUTO = "auto"
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
+LIVE_VIEW_EVERY = 8  # tokens between cache measurements while a reply streams
+
+
+def memory_total() -> int:
+    """Bytes of memory the device can use: MLX's figure on GPUs, physical RAM on the CPU backend."""
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    size = int(info.get("memory_size", 0) or 0)
+    if not size:
+        try:
+            size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            size = 0
+    return size
 
 
 @dataclass
@@ -74,12 +88,18 @@ class Session:
         self.notices: list[str] = []
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
         self._cancel = threading.Event()
+        self._first_visible = 0
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        # A BOS in the middle of a reply starts a new document (TinyStories models separate
+        # stories with it): it ends the reply rather than being shown as "<s>".
+        bos = getattr(tokenizer, "bos_token_id", None)
+        if bos is not None and bos not in (getattr(tokenizer, "pad_token_id", None),):
+            self.eos_ids.add(bos)
 
     # ---- settings and modes -------------------------------------------------------------------
     @property
@@ -123,8 +143,8 @@ class Session:
             if tokens:
                 for _ in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
                     pass
-            return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start)
-        return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start)
+            return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
+        return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
     def _apply_policy(self, upcoming: int) -> SwitchReport | None:
         """Auto mode: prealloc while short, the long-history policy once past ``long_after``."""
@@ -301,6 +321,8 @@ class Session:
             stats.generated_tokens = n
             stats.decode_seconds = now - t0 - stats.ttft
             shown, stopped = stops.feed(detok.last_segment)
+            if n % LIVE_VIEW_EVERY == 1:
+                stats.cache = self.cache_view(scan_messages=False)
             yield TokenEvent(shown, tok, stats)
             if stopped:
                 finish = "stop"
@@ -334,22 +356,60 @@ class Session:
         stats.cache = self.cache_view()
         self.history.append(stats)
 
+    # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
+    def cache_consistent(self) -> bool:
+        """True when every layer's cache holds exactly the tokens ``cached`` lists (evicted ones
+        counted), i.e. the caches may be saved as a snapshot of ``cached``."""
+        n = len(self.cached)
+        return bool(self.caches) and all(c.offset + c.evicted == n for c in self.caches)
+
+    def restore_state(self, caches: list, cached: list[int], settings: CacheSettings) -> SwitchReport | None:
+        """Adopt caches rebuilt from a snapshot (``cache.factory.restore_caches``) holding ``cached``.
+
+        When they were made with other settings than this session would use now (another mode
+        asked for, other sizes), the session switches to its own, converting the caches (or
+        re-prefilling), and returns that report; otherwise None.
+        """
+        self.caches, self.cached, self.settings = caches, list(cached), settings
+        if self.requested_mode == AUTO:
+            fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
+        else:
+            fits = settings.mode == self.requested_mode
+        if fits and settings == self._settings_for(settings.mode):
+            return None
+        requested = self.requested_mode
+        report = self.switch_mode(requested)
+        self.requested_mode = requested
+        return report
+
+    def use_long_policy(self) -> SwitchReport | None:
+        """Auto mode: take the long-history policy now instead of at ``long_after`` (for a prompt
+        that would run past the model's trained context). None when not in auto mode or already
+        on it."""
+        if self.requested_mode != AUTO or self.settings.evicts:
+            return None
+        report = self.switch_mode(self._long_mode())
+        self.requested_mode = AUTO
+        return report
+
     # ---- what the UI shows ------------------------------------------------------------------
-    def cache_view(self) -> CacheView:
+    def cache_view(self, scan_messages: bool = True) -> CacheView:
+        """Cache usage for display. ``scan_messages`` also works out which messages the model
+        no longer sees (it re-tokenises the conversation, so streaming skips it)."""
         usage = total_usage(self.caches)
         evicted = self.caches[0].evicted
-        first_visible = 0
-        if evicted:
+        first_visible = self._first_visible if not scan_messages else 0
+        if evicted and scan_messages:
             limit = (self.settings.sinks if self.settings.evicts else 0) + evicted
             starts = self.format.message_starts(self.conversation) + [len(self.cached)]
             first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
-        info = mx.device_info() if hasattr(mx, "device_info") else {}
+        self._first_visible = first_visible
         return CacheView(
             mode=self.mode, tokens=usage.tokens, capacity=usage.capacity,
             full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=evicted,
             bytes_held=usage.bytes_held, bytes_allocated=usage.bytes_allocated,
             full_bytes=usage.full_bytes, quant_bytes=usage.quant_bytes,
-            memory_total=int(info.get("memory_size", 0) or 0),
+            memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
         )
@@ -384,7 +444,13 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
     history = conv.copy()
     del history.messages[i:]
     gen = GenerationSettings(temp=0.0, max_tokens=max_tokens)
+    session._cancel.clear()
+    # Warm up (first-call kernel set-up would otherwise be charged to the first mode).
+    warm = make_caches(session.model, CacheSettings(mode="prealloc"), session.geometry)
+    mx.eval(session.model(mx.array([[0, 1]]), cache=warm))
     for mode in modes:
+        if session._cancel.is_set():
+            return
         try:
             twin = Session(session.model, session.tokenizer, cache_settings=session.base_settings, mode=mode,
                            long_after=session.long_after, generation=gen)
@@ -392,6 +458,7 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
             yield CompareRow(mode, 0, 0, 0.0, 0.0, 0.0, 0, "", error=str(e))
             continue
         twin.format = session.format
+        twin._cancel = session._cancel  # cancelling the session stops the comparison too
         twin.conversation = history.copy()
         if history.messages:
             prefix = twin.format.tokens(history, generation_prompt=False)

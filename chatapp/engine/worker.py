@@ -107,9 +107,9 @@ class EngineWorker:
             self._emit(Switched(s.switch_mode(mode, **changes)))
         elif command == "compare":
             modes, max_tokens = args
-            rows = list(compare_modes(s, modes, max_tokens=max_tokens))
-            for n, row in enumerate(rows):
-                self._emit(CompareResult(row, done=n == len(rows) - 1))
+            # One row per mode, sent as each finishes; a cancel ends the comparison early.
+            for n, row in enumerate(compare_modes(s, modes, max_tokens=max_tokens)):
+                self._emit(CompareResult(row, done=n == len(modes) - 1))
         elif command == "new_chat":
             s.new_chat()
         elif command == "call":  # run an arbitrary function on the engine thread (tests, tools)

@@ -1,0 +1,171 @@
+"""The thread boundary between the engine and Textual.
+
+:class:`EngineWorker` runs all MLX work on its own thread and reports events through a
+callback that runs on that thread. :class:`EngineBridge` owns the worker, turns each event into
+an :class:`EngineEvent` Textual message (``post_message`` is thread-safe: it hands the message
+to the app's event loop with ``call_soon_threadsafe``), and counts the commands in flight so
+the UI knows when the engine is busy.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from textual.message import Message
+
+from chatapp.engine.stats import CacheView
+
+
+# ---- events of our own (emitted on the engine thread) ---------------------------------------------
+@dataclass
+class LoadProgress:
+    """What the loading screen shows. ``percent`` is None while the length is unknown."""
+
+    phase: str  # "download", "load", "session"
+    detail: str = ""
+    percent: float | None = None
+
+
+@dataclass
+class SessionInfo:
+    """A plain description of the session, read on the engine thread after load and switches."""
+
+    model_id: str
+    mode: str  # the cache mode in use
+    requested_mode: str  # what was asked for ("auto" included)
+    cache: CacheView
+    settings: dict[str, int] = field(default_factory=dict)  # as asked: window, sinks, kv_bits, ...
+    effective: dict[str, int] = field(default_factory=dict)  # as used, after fitting to the model
+    has_system: bool = False
+    messages: int = 0
+    fmt: str = ""
+
+
+@dataclass
+class StartupFailed:
+    """The engine could not even be imported (e.g. MLX is missing); like ``Failed`` at load."""
+
+    message: str
+    detail: str = ""
+
+
+class EngineEvent(Message):
+    """One engine event, delivered on the UI thread."""
+
+    def __init__(self, event: Any) -> None:
+        super().__init__()
+        self.event = event
+
+
+def describe_session(session) -> SessionInfo:
+    """Runs on the engine thread (through the worker's ``call`` command)."""
+    def fields(s) -> dict[str, int]:
+        return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
+                "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens}
+
+    return SessionInfo(
+        model_id=getattr(session, "model_id", ""),
+        mode=session.mode,
+        requested_mode=session.requested_mode,
+        cache=session.cache_view(),
+        settings=fields(session.base_settings),
+        effective=fields(session.settings),
+        has_system=bool(session.conversation.messages and session.conversation.messages[0].role == "system"),
+        messages=len(session.conversation.messages),
+        fmt=session.format.fmt,
+    )
+
+
+class EngineBridge:
+    """Starts the engine worker and forwards its events as :class:`EngineEvent` messages.
+
+    ``post`` receives each event on the engine thread; it must be thread-safe (``App.post_message``
+    is). ``pending`` counts submitted commands whose ``Idle`` has not come back yet; only the UI
+    thread touches it.
+    """
+
+    def __init__(self, config, post: Callable[[Any], Any]):
+        self.config = config
+        self._post = post
+        self.worker = None
+        self.pending = 0
+        self.started_at = 0.0
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    # -- engine thread ---------------------------------------------------------------------------
+    def _make_session(self, emit: Callable[[Any], None]):
+        from chatapp.engine.setup import load_engine, session_from_config
+
+        emit(LoadProgress("load", f"loading {self.config.model.id}"))
+
+        def on_download(p) -> None:  # called on download threads
+            name = p.filename or "model files"
+            detail = f"downloading {name}: file {min(p.files_done + 1, p.files_total)} of {p.files_total}"
+            emit(LoadProgress("download", detail, p.percent))
+
+        loaded = load_engine(self.config, progress=on_download)
+        emit(LoadProgress("session", "preparing the session", 100.0))
+        session = session_from_config(self.config, loaded)
+        return session
+
+    def _on_event(self, event: Any) -> None:
+        # TokenEvent / PrefillProgress carry the turn's live TurnStats, which the engine keeps
+        # mutating; hand the UI a shallow copy of the numbers as they are now.
+        stats = getattr(event, "stats", None)
+        if stats is not None and type(event).__name__ in ("TokenEvent", "PrefillProgress"):
+            event = copy.copy(event)
+            event.stats = copy.copy(stats)
+        self._post(EngineEvent(event))
+
+    # -- UI thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine without blocking the UI: importing MLX and mlx-lm takes seconds, so
+        a helper thread imports the engine and starts the worker while the loading screen shows."""
+        self.started_at = time.perf_counter()
+        threading.Thread(target=self._start_worker, name="chatapp-engine-start", daemon=True).start()
+
+    def _start_worker(self) -> None:
+        self._post(EngineEvent(LoadProgress("import", "starting the engine (importing MLX)")))
+        try:
+            from chatapp.engine.worker import EngineWorker
+        except Exception as e:  # noqa: BLE001 - shown to the user as one line
+            self._post(EngineEvent(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc())))
+            return
+        with self._lock:
+            if self._stopping:
+                return
+            self.worker = EngineWorker(self._make_session, self._on_event)
+            self.worker.start()
+
+    def submit(self, command: str, *args: Any) -> None:
+        self.pending += 1
+        self.worker.submit(command, *args)
+
+    def request_info(self) -> None:
+        """Ask the engine thread for a :class:`SessionInfo` (arrives as an event)."""
+        self.submit("call", lambda s: self._post(EngineEvent(describe_session(s))))
+
+    def idle(self) -> None:
+        self.pending = max(0, self.pending - 1)
+
+    @property
+    def busy(self) -> bool:
+        return self.pending > 0
+
+    def cancel(self) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        with self._lock:
+            self._stopping = True
+            worker = self.worker
+        if worker is not None:
+            worker.stop()
+            worker.join(timeout)

@@ -1,0 +1,341 @@
+"""Pure helpers for the TUI: number formatting, gauges, charts, the mode table, validation.
+
+Nothing here imports Textual or MLX, so all of it is unit-testable on its own. The UI reads
+only the engine's plain statistics dataclasses (:mod:`chatapp.engine.stats`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from rich.cells import cell_len
+from rich.text import Text
+
+from chatapp.engine.stats import CacheView, StepStat, TurnStats, fmt_bytes
+from chatapp.textsafe import printable
+
+MODES = ["auto", "concat", "prealloc", "quantized", "window", "window-quant"]
+MODE_HELP = {
+    "auto": "prealloc while short, window-quant (or window) once the conversation is long",
+    "concat": "full precision; grows by concatenation (the simple reference)",
+    "prealloc": "full precision; grows in chunks of chunk_size tokens",
+    "quantized": "full precision up to quant_start tokens, then kv_bits-bit keys/values",
+    "window": "attention sinks + the last `window` tokens; older ones are evicted",
+    "window-quant": "sinks + recent window at full precision, older tokens quantised, max_kv_tokens in all",
+}
+#: The settings the mode dialog edits, with the modes they matter for.
+MODE_FIELDS = {
+    "window": ("window", "window-quant", "auto"),
+    "sinks": ("window", "window-quant", "auto"),
+    "kv_bits": ("quantized", "window-quant", "auto"),
+    "kv_group_size": ("quantized", "window-quant", "auto"),
+    "max_kv_tokens": ("window-quant", "auto"),
+}
+KV_BITS = (4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+SEP = " │ "
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+def fmt_rate(x: float) -> str:
+    """Tokens per second, or an em dash when there is nothing to show yet."""
+    if not x or x <= 0 or not math.isfinite(x):
+        return "—"
+    if x >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.1f}"
+
+
+def fmt_seconds_ms(seconds: float) -> str:
+    if not seconds or seconds <= 0 or not math.isfinite(seconds):
+        return "—"
+    ms = seconds * 1000
+    if ms < 10:
+        return f"{ms:.1f} ms"
+    if ms < 10_000:
+        return f"{ms:.0f} ms"
+    return f"{seconds:.1f} s"
+
+
+def fmt_share(share: float) -> str:
+    if share <= 0:
+        return "0%"
+    pct = share * 100
+    if pct < 0.01:
+        return "<0.01%"
+    if pct < 1:
+        return f"{pct:.2f}%"
+    return f"{pct:.1f}%"
+
+
+def model_label(model_id: str) -> str:
+    """A short, printable name: a local folder's name, or the hub repo id."""
+    if not model_id:
+        return "?"
+    p = Path(model_id).expanduser()
+    if model_id.startswith((".", "/", "~")) or p.exists():
+        model_id = p.name or model_id
+    return printable(model_id).replace("\n", " ")
+
+
+# ---- deterministic statistics for tests and snapshots ----------------------------------------------
+FROZEN_MEMORY_TOTAL = 16 * 1024**3
+
+
+def freeze_cache(view: CacheView) -> CacheView:
+    return replace(view, memory_total=FROZEN_MEMORY_TOTAL, per_layer_bytes=list(view.per_layer_bytes))
+
+
+def freeze(stats: TurnStats) -> TurnStats:
+    """A copy of ``stats`` whose timings depend only on token counts, so screens are reproducible.
+
+    Token counts and byte counts are deterministic already (greedy decoding); wall-clock times
+    and the machine's memory size are not, so they are replaced by fixed functions of the counts.
+    """
+    s = copy.copy(stats)
+    s.prefill_seconds = s.prefill_tokens / 2000 if s.prefill_tokens else 0.0
+    s.ttft = 0.010 + s.prefill_seconds if (s.generated_tokens or s.ttft) else 0.0
+    s.decode_seconds = max(s.generated_tokens - 1, 0) / 250
+    s.peak_memory = 0
+    s.steps = [StepStat(st.context, 2.0 + st.context / 1000) for st in stats.steps]
+    s.notices = list(stats.notices)
+    s.cache = freeze_cache(stats.cache)
+    return s
+
+
+# ---- live cache estimate -------------------------------------------------------------------------
+def live_cache(stats: TurnStats, last: CacheView | None, budget: int | None = None) -> CacheView:
+    """An estimate of the cache while a reply streams.
+
+    The engine measures the cache exactly when a turn ends (``TurnStats.cache``); during the
+    turn it reports token counts only. The estimate starts from the last measurement and adds
+    the tokens this turn brought in beyond what the cache already covered (``reused +
+    prefilled + generated - last.conversation_tokens``; negative when the turn trimmed the
+    cache, e.g. regenerate), capped at ``budget`` for the evicting modes, and prices them at
+    the last measured bytes per token.
+    """
+    if stats.cache.tokens:  # the engine measured it: use that
+        return stats.cache
+    last = last or CacheView()
+    covered = stats.reused_tokens + stats.prefill_tokens + stats.generated_tokens
+    tokens = max(last.tokens + covered - last.conversation_tokens, stats.generated_tokens, 0)
+    evicting = stats.mode in ("window", "window-quant")
+    if evicting and budget:
+        tokens = min(tokens, budget)
+    per_token = last.bytes_held / last.tokens if last.tokens else 0.0
+    capacity = last.capacity if evicting or not last.capacity else max(last.capacity, tokens)
+    held = int(tokens * per_token)
+    quant = min(last.quant_tokens, tokens)
+    return CacheView(
+        mode=stats.mode or last.mode, tokens=tokens, capacity=capacity,
+        full_tokens=max(tokens - quant, 0), quant_tokens=quant, evicted=last.evicted,
+        bytes_held=held, bytes_allocated=max(last.bytes_allocated, held),
+        full_bytes=last.full_bytes, quant_bytes=last.quant_bytes, memory_total=last.memory_total,
+        conversation_tokens=max(last.conversation_tokens, covered),
+        first_visible_message=last.first_visible_message, per_layer_bytes=list(last.per_layer_bytes),
+    )
+
+
+# ---- the status bar ------------------------------------------------------------------------------
+@dataclass
+class StatusItem:
+    label: str
+    value: str
+    style: str = "bold"
+
+    @property
+    def width(self) -> int:
+        return cell_len(self.label) + 1 + cell_len(self.value) if self.label else cell_len(self.value)
+
+    def text(self) -> Text:
+        if not self.label:
+            return Text(self.value, style=self.style)
+        return Text.assemble((self.label + " ", "dim"), (self.value, self.style))
+
+
+def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheView | None,
+                 live: bool = False, phase: str = "") -> list[StatusItem]:
+    """Everything the status bar shows, most important first.
+
+    ``live`` marks cache figures estimated while a reply streams (shown with a ``~``).
+    """
+    s = stats or TurnStats()
+    c = cache or CacheView()
+    est = "~" if live else ""
+    items = [
+        StatusItem("", model_label(model), "bold"),
+        StatusItem("mode", mode or c.mode or "?", "bold"),
+        StatusItem("decode", f"{fmt_rate(s.decode_tps)} tok/s"),
+        StatusItem("prefill", f"{fmt_rate(s.prefill_tps)} tok/s"),
+        StatusItem("TTFT", fmt_seconds_ms(s.ttft)),
+        StatusItem("cache", f"{est}{c.tokens:,}/{c.capacity:,} tok" if c.capacity or not live
+                   else f"~{c.tokens:,}/? tok"),
+        StatusItem("KV", f"{est}{fmt_bytes(c.bytes_held)}/{fmt_bytes(c.bytes_allocated)}"
+                   if c.bytes_held or not live or not c.tokens else "~?"),
+        StatusItem("mem", fmt_share(c.memory_share) if c.memory_total else "—"),
+        StatusItem("full/quant/evicted", f"{c.full_tokens:,}/{c.quant_tokens:,}/{c.evicted:,}"),
+    ]
+    if phase:
+        items.insert(1, StatusItem("", phase, "italic"))
+    return items
+
+
+def pack(items: Sequence[StatusItem], width: int, max_lines: int = 3) -> list[list[StatusItem]]:
+    """Greedily put items on lines of ``width`` cells, separated by ``SEP``; never splits one."""
+    lines: list[list[StatusItem]] = [[]]
+    used = 0
+    for item in items:
+        need = item.width + (len(SEP) if lines[-1] else 0)
+        if lines[-1] and used + need > width:
+            if len(lines) == max_lines:
+                break
+            lines.append([])
+            used = 0
+            need = item.width
+        lines[-1].append(item)
+        used += need
+    return lines
+
+
+def render_lines(lines: list[list[StatusItem]], width: int) -> Text:
+    out = Text(no_wrap=True, overflow="ellipsis")
+    for n, line in enumerate(lines):
+        if n:
+            out.append("\n")
+        for k, item in enumerate(line):
+            if k:
+                out.append(SEP, style="dim")
+            out.append_text(item.text())
+    out.truncate(width * len(lines) + len(lines), overflow="ellipsis")
+    return out
+
+
+# ---- charts ------------------------------------------------------------------------------------
+BLOCKS = " ▏▎▍▌▋▊▉█"
+
+
+def hbar(value: float, maximum: float, width: int) -> str:
+    """A horizontal bar of ``width`` cells filled to ``value / maximum`` (eighth-cell steps)."""
+    if width <= 0:
+        return ""
+    if maximum <= 0 or value <= 0:
+        return " " * width
+    eighths = round(min(value / maximum, 1.0) * width * 8)
+    full, part = divmod(eighths, 8)
+    bar = "█" * full + (BLOCKS[part] if part else "")
+    return bar.ljust(width)
+
+
+def steps_by_context(steps: Iterable[StepStat], bins: int = 64) -> tuple[list[float], int, int]:
+    """Decode step times resampled onto ``bins`` equal context ranges (mean ms per range).
+
+    Returns (values, lowest context, highest context). Empty ranges take the previous value
+    so the line stays continuous.
+    """
+    steps = list(steps)
+    if not steps:
+        return [], 0, 0
+    lo = min(s.context for s in steps)
+    hi = max(s.context for s in steps)
+    n = max(1, min(bins, hi - lo + 1))
+    sums = [0.0] * n
+    counts = [0] * n
+    for s in steps:
+        i = 0 if hi == lo else min(n - 1, (s.context - lo) * n // (hi - lo + 1))
+        sums[i] += s.ms
+        counts[i] += 1
+    values: list[float] = []
+    prev = None
+    for total, count in zip(sums, counts):
+        if count:
+            prev = total / count
+        values.append(prev if prev is not None else 0.0)
+    first = next((v for v in values if v), 0.0)
+    values = [v if v else first for v in values]
+    return values, lo, hi
+
+
+def context_bucket(tokens: int) -> tuple[int, str]:
+    """Power-of-two context ranges, so turns are compared at similar context sizes."""
+    if tokens < 128:
+        return 0, "<128"
+    lo = 1 << (int(tokens).bit_length() - 1)
+    return lo, f"{lo}–{2 * lo - 1}"
+
+
+@dataclass
+class ModeRow:
+    mode: str
+    bucket: str
+    turns: int
+    decode_tps: float
+    ttft: float
+    prefill_tps: float
+
+
+def mode_table(history: Iterable[TurnStats]) -> list[ModeRow]:
+    """Median decode rate, TTFT and prefill rate per (context range, mode), for the side panel."""
+    groups: dict[tuple[int, str, str], list[TurnStats]] = {}
+    for s in history:
+        if not s.generated_tokens:
+            continue
+        key_lo, label = context_bucket(s.prompt_tokens)
+        groups.setdefault((key_lo, label, s.mode), []).append(s)
+    rows = []
+    for (lo, label, mode), turns in sorted(groups.items(), key=lambda kv: (kv[0][0], MODES.index(kv[0][2])
+                                                                        if kv[0][2] in MODES else 99)):
+        decode = [t.decode_tps for t in turns if t.decode_tps > 0]
+        prefill = [t.prefill_tps for t in turns if t.prefill_tps > 0]
+        rows.append(ModeRow(
+            mode, label, len(turns),
+            statistics.median(decode) if decode else 0.0,
+            statistics.median([t.ttft for t in turns]),
+            statistics.median(prefill) if prefill else 0.0,
+        ))
+    return rows
+
+
+# ---- the mode dialog -------------------------------------------------------------------------------
+def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Parse and check the dialog's fields (the same rules as ``CacheSettings.validate``).
+
+    Returns (values, errors): ``errors`` maps a field to a one-line reason; ``values`` holds
+    every field that parsed.
+    """
+    errors: dict[str, str] = {}
+    values: dict[str, int] = {}
+    if mode not in MODES:
+        errors["mode"] = f"choose one of {', '.join(MODES)}"
+    for name in ("window", "sinks", "max_kv_tokens", "kv_bits", "kv_group_size"):
+        text = str(raw.get(name, "")).strip()
+        try:
+            values[name] = int(text)
+        except ValueError:
+            errors[name] = "must be a whole number" if text else "required"
+    if "window" in values and values["window"] < 1:
+        errors["window"] = "must be >= 1"
+    if "sinks" in values and values["sinks"] < 0:
+        errors["sinks"] = "must be >= 0"
+    if "kv_bits" in values and values["kv_bits"] not in KV_BITS:
+        errors["kv_bits"] = "must be 4 or 8"
+    if "kv_group_size" in values and values["kv_group_size"] not in KV_GROUP_SIZES:
+        errors["kv_group_size"] = "must be 32, 64 or 128"
+    if "max_kv_tokens" in values and values["max_kv_tokens"] < 1:
+        errors["max_kv_tokens"] = "must be >= 1"
+    if not errors.keys() & {"window", "sinks"} and values["window"] < values["sinks"]:
+        errors["window"] = f"must be >= sinks ({values['sinks']})"
+    if not errors.keys() & {"window", "sinks", "max_kv_tokens"} and \
+            values["max_kv_tokens"] < values["sinks"] + values["window"]:
+        errors["max_kv_tokens"] = f"must be >= sinks + window ({values['sinks'] + values['window']})"
+    return values, errors
+
+
+def next_mode(mode: str) -> str:
+    i = MODES.index(mode) if mode in MODES else -1
+    return MODES[(i + 1) % len(MODES)]

@@ -1,0 +1,307 @@
+"""Screens and dialogs: loading, help, configuration, cache-mode dialog, mode comparison."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rich.table import Table
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
+
+from chatapp.textsafe import printable
+
+from .format import MODE_FIELDS, MODE_HELP, MODES, fmt_rate, fmt_seconds_ms, hbar, model_label, validate_mode_fields
+
+#: (key, what it does) - the help screen and docs/tui.md list these.
+KEYS: list[tuple[str, str]] = [
+    ("Enter", "send the message (during a reply it is queued and sent when the reply ends)"),
+    ("Ctrl+J", "new line in the message (also Shift+Enter / Alt+Enter in terminals that report them, "
+               "e.g. with the kitty keyboard protocol)"),
+    ("Esc", "stop the reply (the partial reply is kept, marked interrupted; queued messages return "
+            "to the input box); cancel editing"),
+    ("Ctrl+N", "new chat (forget the conversation)"),
+    ("Ctrl+R", "regenerate the last reply"),
+    ("Ctrl+O", "edit your last message (Enter resends it, Esc cancels)"),
+    ("Ctrl+L", "clear the screen (the model keeps the conversation)"),
+    ("F2", "show / hide the side panel"),
+    ("F3", "next cache mode"),
+    ("F4", "cache-mode dialog (mode and settings)"),
+    ("F5", "compare cache modes on the last turn"),
+    ("F6", "effective configuration and where each value came from"),
+    ("F1 / ?", "this help"),
+    ("Ctrl+P", "command palette (every action, searchable)"),
+    ("Ctrl+Q", "quit"),
+]
+
+
+class LoadingScreen(Screen):
+    """A progress bar while the model downloads and loads; the error if it fails."""
+
+    BINDINGS = [Binding("q,ctrl+q,escape", "app.quit", "Quit")]
+
+    def __init__(self, model_id: str) -> None:
+        super().__init__(id="loading")
+        self.model_id = model_id
+        self.failed = False
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="loading-box"):
+            yield Static(Text.assemble(("Loading ", "bold"), (model_label(self.model_id), "bold")),
+                         id="loading-title", markup=False)
+            yield ProgressBar(total=None, show_eta=False, id="loading-bar")
+            yield Static(Text("starting", style="dim"), id="loading-status", markup=False)
+            yield Static("", id="loading-error", markup=False)
+
+    def progress(self, phase: str, detail: str, percent: float | None) -> None:
+        bar = self.query_one(ProgressBar)
+        if percent is None:
+            bar.update(total=None)
+        else:
+            bar.update(total=100, progress=percent)
+        self.query_one("#loading-status", Static).update(Text(printable(detail), style="dim"))
+
+    def fail(self, message: str) -> None:
+        self.failed = True
+        self.query_one(ProgressBar).update(total=100, progress=0)
+        self.query_one("#loading-status", Static).update(Text("the model could not be loaded", style="bold"))
+        self.query_one("#loading-error", Static).update(
+            Text.assemble((printable(message), "bold red"), ("\n\npress q to quit", "dim")))
+        self.add_class("failed")
+
+
+class HelpScreen(ModalScreen):
+    BINDINGS = [Binding("escape,f1,q,question_mark", "dismiss", "Close")]
+
+    def compose(self) -> ComposeResult:
+        keys = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
+        keys.add_column(style="bold", no_wrap=True)
+        keys.add_column(ratio=1)
+        for key, what in KEYS:
+            keys.add_row(key, what)
+        note = Text("While a reply streams, new messages are queued and cache-mode switches apply when it "
+                    "ends. docs/tui.md explains every gauge.", style="dim")
+        with VerticalScroll(id="help-box", classes="dialog"):
+            yield Static(Text("Keys", style="bold"), markup=False)
+            yield Static(keys, markup=False)
+            yield Static(note, markup=False, id="help-note")
+            yield Static(Text("Esc closes", style="dim"), classes="dialog-hint", markup=False)
+
+
+class ConfigScreen(ModalScreen):
+    """Every setting, its effective value and where it came from (``Config.describe()``)."""
+
+    BINDINGS = [Binding("escape,f6,q", "dismiss", "Close")]
+
+    def __init__(self, config, extra: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__()
+        self.config = config
+        self.extra = list(extra)
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="config-box", classes="dialog"):
+            yield Static(Text("Effective configuration", style="bold"), markup=False)
+            yield DataTable(id="config-table", zebra_stripes=True, cursor_type="row")
+            for label, value in self.extra:
+                yield Static(Text.assemble((label + ": ", "dim"), printable(value)), markup=False)
+            yield Static(Text("Esc closes", style="dim"), classes="dialog-hint", markup=False)
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("setting", "value", "source")
+        for key, value, source in self.config.describe():
+            shown = "random" if value is None else repr(value) if isinstance(value, str) else str(value)
+            table.add_row(Text(key), Text(printable(shown)), Text(printable(source), style="dim"))
+        table.focus()
+
+
+class ModeDialog(ModalScreen[tuple[str, dict] | None]):
+    """Choose the cache mode and its settings; returns (mode, changed settings) or None."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+    FIELDS = [
+        ("window", "window", "recent tokens kept at full precision"),
+        ("sinks", "sinks", "first tokens never evicted"),
+        ("kv_bits", "kv_bits", "4 or 8"),
+        ("kv_group_size", "kv_group_size", "32, 64 or 128"),
+        ("max_kv_tokens", "max_kv_tokens", "window-quant budget"),
+    ]
+
+    def __init__(self, mode: str, settings: dict[str, int], effective: dict[str, int] | None = None,
+                 busy: bool = False) -> None:
+        super().__init__()
+        self.mode = mode if mode in MODES else "auto"
+        self.settings = dict(settings)
+        self.effective = dict(effective or {})
+        self.busy = busy
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="mode-box", classes="dialog"):
+            yield Static(Text("Cache mode", style="bold"), markup=False)
+            yield Select([(m, m) for m in MODES], value=self.mode, allow_blank=False, id="mode-select",
+                         compact=True)
+            yield Static(Text(MODE_HELP[self.mode], style="dim"), id="mode-help", markup=False)
+            yield Static(Text("Settings (dimmed: not used by this mode)", style="bold"), id="mode-fields-title",
+                         markup=False)
+            for name, label, hint in self.FIELDS:
+                with Horizontal(classes="field-row", id=f"row-{name}"):
+                    yield Label(label, classes="field-label")
+                    yield Input(str(self.settings.get(name, "")), id=f"f-{name}", type="integer",
+                                compact=True, classes="field-input")
+                    yield Static(Text(hint, style="dim"), id=f"e-{name}", classes="field-msg", markup=False)
+            note = []
+            changed = {k: v for k, v in self.effective.items() if self.settings.get(k) != v}
+            if changed:
+                note.append("in use after fitting to the model: " + ", ".join(f"{k} {v}" for k, v in changed.items()))
+            if self.busy:
+                note.append("a reply is streaming: the switch applies when it ends")
+            yield Static(Text("\n".join(note), style="italic"), id="mode-note", markup=False)
+            with Horizontal(id="mode-buttons"):
+                yield Button("Apply", variant="primary", id="apply", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
+
+    def on_mount(self) -> None:
+        self._show_relevant()
+        self.query_one("#mode-select", Select).focus()
+
+    def _show_relevant(self) -> None:
+        for name, _, _ in self.FIELDS:
+            self.query_one(f"#row-{name}").set_class(self.mode not in MODE_FIELDS[name], "unused")
+
+    @on(Select.Changed, "#mode-select")
+    def _mode_changed(self, event: Select.Changed) -> None:
+        if isinstance(event.value, str):
+            self.mode = event.value
+            self.query_one("#mode-help", Static).update(Text(MODE_HELP[self.mode], style="dim"))
+            self._show_relevant()
+
+    def raw_fields(self) -> dict[str, str]:
+        return {name: self.query_one(f"#f-{name}", Input).value for name, _, _ in self.FIELDS}
+
+    def validate(self) -> tuple[dict[str, int], dict[str, str]]:
+        values, errors = validate_mode_fields(self.mode, self.raw_fields())
+        for name, _, hint in self.FIELDS:
+            msg = self.query_one(f"#e-{name}", Static)
+            if name in errors:
+                msg.update(Text(errors[name], style="bold red"))
+                msg.add_class("error")
+            else:
+                msg.update(Text(hint, style="dim"))
+                msg.remove_class("error")
+        return values, errors
+
+    @on(Input.Changed)
+    def _field_changed(self, event: Input.Changed) -> None:
+        self.validate()
+
+    @on(Input.Submitted)
+    @on(Button.Pressed, "#apply")
+    def action_apply(self) -> None:
+        values, errors = self.validate()
+        if errors:
+            self.notify("fix the highlighted settings first", severity="warning", markup=False)
+            return
+        changes = {k: v for k, v in values.items() if self.settings.get(k) != v}
+        self.dismiss((self.mode, changes))
+
+    @on(Button.Pressed, "#cancel")
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class CompareScreen(ModalScreen):
+    """The last turn replayed in every mode: TTFT and decode rate side by side, with bars."""
+
+    BINDINGS = [Binding("escape,q,f5", "dismiss", "Close")]
+
+    def __init__(self, modes: Sequence[str], rows: Sequence[Any] = (), done: bool = False) -> None:
+        super().__init__()
+        self.modes = list(modes)
+        self.rows: list[Any] = list(rows)
+        self.done = done
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="compare-box", classes="dialog"):
+            yield Static(Text("Compare cache modes on the last turn", style="bold"), markup=False)
+            yield Static("", id="compare-status", markup=False)
+            yield DataTable(id="compare-table", show_cursor=False, zebra_stripes=True)
+            yield Static("", id="compare-chart", markup=False)
+            yield Static("", id="compare-errors", markup=False)
+            yield Static(Text("Esc closes (a running comparison keeps going in the background)", style="dim"),
+                         classes="dialog-hint", markup=False)
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        for label in ("mode", "context", "TTFT", "prefill tok/s", "decode tok/s", "tok"):
+            table.add_column(label, key=label)
+        table.can_focus = False
+        self.query_one("#compare-box").focus()
+        self._refresh()
+
+    def add_row(self, row: Any, done: bool) -> None:
+        self.rows.append(row)
+        self.done = done
+        if self.is_mounted:
+            self._refresh()
+
+    def finish(self) -> None:
+        self.done = True
+        if self.is_mounted:
+            self._refresh()
+
+    def _refresh(self) -> None:
+        table = self.query_one(DataTable)
+        table.clear()
+        for r in self.rows:
+            if r.error:
+                dash = Text("—", justify="right", style="red")
+                table.add_row(Text(r.mode, style="red"), dash, dash, dash, dash, dash)
+                continue
+            table.add_row(
+                Text(r.mode), Text(f"{r.context:,}", justify="right"),
+                Text(fmt_seconds_ms(r.ttft), justify="right"), Text(fmt_rate(r.prefill_tps), justify="right"),
+                Text(fmt_rate(r.decode_tps), justify="right"), Text(str(r.generated), justify="right"),
+            )
+        status = self.query_one("#compare-status", Static)
+        if self.done:
+            ok = [r for r in self.rows if not r.error]
+            if not self.rows:
+                status.update(Text("nothing to compare: send a message first", style="italic"))
+            else:
+                status.update(Text(f"done: {len(ok)} of {len(self.rows)} modes ran; same context, greedy",
+                                   style="dim"))
+        else:
+            status.update(Text(f"running… {len(self.rows)} of {len(self.modes)} modes", style="italic"))
+        self.query_one("#compare-chart", Static).update(self.chart(self.rows, self.size.width or 60))
+        errors = Text()
+        for r in self.rows:
+            if r.error:
+                errors.append(f"{r.mode} failed: ", style="bold red")
+                errors.append(printable(" ".join(r.error.splitlines())) + "\n")
+        errors.rstrip()
+        self.query_one("#compare-errors", Static).update(errors)
+
+    @staticmethod
+    def chart(rows: Sequence[Any], width: int) -> Text:
+        """Two bar charts: decode tok/s (longer is better) and TTFT (shorter is better)."""
+        ok = [r for r in rows if not r.error]
+        out = Text(no_wrap=True, overflow="ellipsis")
+        if not ok:
+            return out
+        mw = max(len(r.mode) for r in ok)
+        bar_w = max(8, min(50, width - mw - 20))
+        for title, key, fmt in (("decode tok/s (longer is faster)", "decode_tps", fmt_rate),
+                                ("TTFT (shorter is faster)", "ttft", fmt_seconds_ms)):
+            top = max(getattr(r, key) for r in ok)
+            out.append(title + "\n", style="bold")
+            for r in ok:
+                v = getattr(r, key)
+                out.append(r.mode.ljust(mw) + " ", style="dim")
+                out.append(hbar(v, top, bar_w), style="bold")
+                out.append(" " + fmt(v) + "\n")
+        out.rstrip()
+        return out

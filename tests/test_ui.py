@@ -1,0 +1,505 @@
+"""Pilot tests of the Textual TUI on the real stories260K-4bit model (skipped without ../shared).
+
+Every test drives the app as a user would (keys, the input box) and waits for the engine's
+events by polling with ``pilot.pause()`` until a condition holds, with a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import io
+import time
+
+import pytest
+
+pytest.importorskip("textual")
+
+from rich.console import Console  # noqa: E402
+from textual import events  # noqa: E402
+
+from chatapp.config import load_config  # noqa: E402
+from chatapp.ui.app import ChatApp  # noqa: E402
+from chatapp.ui.format import MODES  # noqa: E402
+from chatapp.ui.screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog  # noqa: E402
+from chatapp.ui.widgets import (  # noqa: E402
+    EVICTED_TAG, AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage,
+)
+
+pytestmark = pytest.mark.shared
+
+
+def async_test(fn):
+    """Run an async test on a fresh event loop (no pytest async plugin needed)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+
+    return run
+
+
+def make_config(model_path, **overrides):
+    values = {
+        "model.id": str(model_path), "sampling.temp": 0.0, "sampling.seed": 0, "sampling.max_tokens": 24,
+        "ui.render_interval_ms": 20,
+    }
+    values.update(overrides)
+    return load_config(overrides=values)
+
+
+def make_app(model_path, freeze_stats: bool = True, **overrides) -> ChatApp:
+    return ChatApp(make_config(model_path, **overrides), freeze_stats=freeze_stats)
+
+
+async def wait_until(pilot, cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def ready(pilot) -> None:
+    app = pilot.app
+    await wait_until(pilot, lambda: app.loaded and app.info is not None and not app.bridge.busy,
+                     what="the model to load")
+
+
+def press_nowait(pilot, key: str, character: str | None = None) -> None:
+    """Press a key without waiting for the app to go idle (``pilot.press`` waits until every
+    message is handled, which lasts until a streaming reply has ended)."""
+    pilot.app.post_message(events.Key(key, character))
+
+
+async def type_and_send(pilot, text: str, wait: bool = True) -> None:
+    box = pilot.app.query_one(ChatInput)
+    box.focus()
+    box.text = text
+    if wait:
+        await pilot.press("enter")
+    else:
+        # Wait only until Enter was handled: the box is emptied (sent) or a notice says why not.
+        notes = len(pilot.app._notifications)
+        press_nowait(pilot, "enter", "\r")
+        await wait_until(pilot, lambda: box.text == "" or len(pilot.app._notifications) > notes,
+                         what="Enter to be handled")
+
+
+async def turn(pilot, text: str) -> None:
+    """Send a message and wait for its reply to finish."""
+    app = pilot.app
+    before = len(app.history)
+    await type_and_send(pilot, text)
+    await wait_until(pilot, lambda: len(app.history) > before and not app.bridge.busy, what="the reply")
+
+
+async def screen_text(pilot) -> str:
+    """The screen as plain text, dialogs over their background included (as a screenshot shows it)."""
+    await pilot.pause()
+    app = pilot.app
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True, record=True,
+                      legacy_windows=False, color_system="truecolor")
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text(styles=False)
+
+
+def replies(app) -> list[AssistantMessage]:
+    return list(app.query(AssistantMessage))
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+@async_test
+async def test_send_streams_reply_and_updates_gauges(stories4_path):
+    app = make_app(stories4_path, freeze_stats=False, **{"sampling.max_tokens": 120})
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        status = app.query_one(StatusBar)
+        assert "stories260K-4bit" in status.plain and "auto→prealloc" in status.plain
+        seen_live = []
+        await type_and_send(pilot, "Tell me a story about a cat.", wait=False)
+        assert app.entries[0].role == "user" and app.query_one(ChatInput).text == ""
+
+        def streaming_seen():
+            if app._reply is not None and app.live_stats is not None and app.live_stats.generated_tokens:
+                seen_live.append(status.plain)
+            return len(app.history) == 1 and not app.bridge.busy
+
+        await wait_until(pilot, streaming_seen, what="the reply")
+        reply = replies(app)[-1]
+        stats = app.last_stats
+        # Text arrived in batches while streaming, and the widget ends with the reply exactly.
+        assert app.event_log.count("TokenEvent") >= stats.generated_tokens > 20
+        assert reply.appends >= 1 and reply.finished
+        assert reply.markdown.source.strip() == reply.text.strip() and reply.text
+        assert app.entries[-1].role == "assistant" and app.entries[-1].text == reply.text
+        # The status bar was live during the turn (estimated cache marked "~") and exact after it.
+        assert seen_live and any("~" in s for s in seen_live)
+        final = status.plain
+        assert f"cache {stats.cache.tokens}/{stats.cache.capacity} tok" in final
+        assert "decode — tok/s" not in final and "TTFT —" not in final
+        assert stats.cache.tokens > 0 and stats.decode_tps > 0
+        assert reply.text[:20] in await screen_text(pilot)
+
+
+@async_test
+async def test_transcript_follows_the_bottom_unless_scrolled_up(stories4_path):
+    app = make_app(stories4_path, **{"sampling.max_tokens": 40})
+    async with app.run_test(size=(80, 18)) as pilot:
+        await ready(pilot)
+        chat = app.query_one(ChatView)
+        for text in ("Tell me about a cat.", "What did the cat eat?", "Where did it sleep?"):
+            await turn(pilot, text)
+        await pilot.pause()
+        assert chat.max_scroll_y > 0 and chat.scroll_y == chat.max_scroll_y
+        chat.focus()
+        await pilot.press("pageup")
+        await pilot.pause()
+        held = chat.scroll_y
+        assert held < chat.max_scroll_y
+        await turn(pilot, "Who was its friend?")
+        await pilot.pause()
+        assert chat.scroll_y == held < chat.max_scroll_y  # it stayed where the user put it
+        chat.focus()
+        await pilot.press("end")
+        await turn(pilot, "What colour was the ball?")
+        await pilot.pause()
+        assert chat.scroll_y == chat.max_scroll_y  # back at the bottom, it follows again
+
+
+@async_test
+async def test_empty_and_whitespace_messages_are_ignored(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "")
+        await type_and_send(pilot, "   \n\t ")
+        await pilot.pause()
+        assert app.entries == [] and not app.bridge.busy and not list(app.query(UserMessage))
+
+
+@async_test
+async def test_newline_key_inserts_line_and_enter_sends(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        app.query_one(ChatInput).focus()
+        await pilot.press("H", "i", "ctrl+j", "y", "o")
+        assert app.query_one(ChatInput).text == "Hi\nyo"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the reply")
+        assert app.entries[0].text == "Hi\nyo"
+
+
+@async_test
+async def test_escape_cancels_a_reply(stories4_path):
+    app = make_app(stories4_path, **{"sampling.max_tokens": 450, "ui.render_interval_ms": 50})
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "Once upon a time", wait=False)
+        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 5, what="some tokens")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the cancel")
+        stats = app.last_stats
+        assert stats.finish == "cancelled" and stats.generated_tokens < 450
+        reply = replies(app)[-1]
+        assert "interrupted" in reply.tags and reply.has_class("interrupted")
+        assert "interrupted" in await screen_text(pilot)
+        # The partial reply is kept in the conversation (and in the cache), and the chat goes on.
+        assert app.entries[-1].role == "assistant" and app.entries[-1].text == reply.text
+        await type_and_send(pilot, "What next?", wait=False)
+        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= stats.generated_tokens + 3,
+                         what="the next reply")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="the second cancel")
+        assert app.last_stats.reused_tokens >= app.history[0].prompt_tokens + stats.generated_tokens - 2
+
+
+@async_test
+async def test_messages_sent_during_a_reply_are_queued(stories4_path):
+    app = make_app(stories4_path, **{"sampling.max_tokens": 100})
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "Once upon a time", wait=False)
+        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 3, what="some tokens")
+        await type_and_send(pilot, "second", wait=False)
+        assert [e.role for e in app.entries] == ["user"]  # not sent yet
+        queued = app.queued[0]
+        assert queued.text == "second" and "queued" in queued.tags
+        assert app.query_one(ChatInput).has_class("busy")
+        # Esc stops the reply and gives the queued message back to the box instead of sending it.
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="the cancel")
+        assert app.queued == [] and not queued.is_attached
+        assert app.query_one(ChatInput).text == "second"
+        # Queued messages are sent in order once the reply ends.
+        app.query_one(ChatInput).text = ""
+        await type_and_send(pilot, "third", wait=False)
+        await wait_until(pilot, lambda: app._reply is not None and app.live_stats is not None, what="streaming")
+        await type_and_send(pilot, "fourth", wait=False)
+        await type_and_send(pilot, "fifth", wait=False)
+        assert [w.text for w in app.queued] == ["fourth", "fifth"]
+        await wait_until(pilot, lambda: len(app.history) == 4 and not app.bridge.busy and not app.queued,
+                         timeout=60, what="the queued replies")
+        roles = [e.role for e in app.entries]
+        assert roles == ["user", "assistant"] * 4
+        assert [e.text for e in app.entries if e.role == "user"] == ["Once upon a time", "third", "fourth", "fifth"]
+        # The transcript shows them in the same order, each followed by its reply.
+        shown = [w for w in app.query_one(ChatView).children]
+        assert shown == [e.widget for e in app.entries]
+        assert all("queued" not in w.tags for w in shown)
+
+
+@async_test
+async def test_regenerate_replaces_the_last_reply(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await turn(pilot, "Tell me about a dog.")
+        first = app.entries[-1].text
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="regenerate")
+        assert [e.role for e in app.entries] == ["user", "assistant"]
+        assert len(replies(app)) == 1
+        assert app.entries[-1].text == first  # greedy: the same reply again
+        # Only the last prompt token ran again: the rest came from the cache.
+        assert app.last_stats.reused_tokens == app.last_stats.prompt_tokens - 1
+
+
+@async_test
+async def test_edit_last_message(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await turn(pilot, "Tell me about a dog.")
+        await pilot.press("ctrl+o")
+        box = app.query_one(ChatInput)
+        assert app.editing and box.text == "Tell me about a dog." and box.has_class("editing")
+        box.text = "Tell me about a bird."
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="the edit")
+        assert [e.role for e in app.entries] == ["user", "assistant"]
+        users = list(app.query(UserMessage))
+        assert len(users) == 1 and users[0].text == "Tell me about a bird." and "edited" in users[0].tags
+        assert len(replies(app)) == 1 and not app.editing
+        # Esc leaves editing without sending.
+        await pilot.press("ctrl+o")
+        await pilot.press("escape")
+        assert not app.editing and box.text == ""
+
+
+@async_test
+async def test_new_chat_and_clear(stories4_path):
+    app = make_app(stories4_path, **{"chat.system": "Be [bold]nice[/]."})
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        assert [e.role for e in app.entries] == ["system"]
+        await turn(pilot, "Hello")
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert not list(app.query(UserMessage)) and len(app.entries) == 3
+        await turn(pilot, "More")  # the model kept the conversation
+        assert app.last_stats.reused_tokens > 20
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="new chat")
+        assert [e.role for e in app.entries] == ["system"] and app.conv_steps == []
+        assert "Be [bold]nice[/]." in await screen_text(pilot)
+        await turn(pilot, "Hello")
+        assert app.last_stats.reused_tokens == 0
+
+
+# ---- cache modes --------------------------------------------------------------------------------------------
+@async_test
+async def test_cycle_mode_mid_conversation(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await turn(pilot, "Tell me about a cat.")
+        await pilot.press("f3")  # auto -> concat
+        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.bridge.busy,
+                         what="the switch")
+        assert app.mode == "concat" and "mode concat" in app.query_one(StatusBar).plain
+        assert "Switched" in app.event_log
+        await turn(pilot, "What did the cat eat?")
+        assert app.last_stats.mode == "concat" and app.entries[-1].text
+        assert app.last_stats.reused_tokens > 0  # the converted cache was kept
+
+
+@async_test
+async def test_switch_during_a_reply_applies_when_it_ends(stories4_path):
+    app = make_app(stories4_path, **{"sampling.max_tokens": 100})
+    async with app.run_test() as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "Once upon a time", wait=False)
+        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 3, what="some tokens")
+        app.switch_mode("window", {})
+        await wait_until(pilot, lambda: app.info.mode == "window" and not app.bridge.busy, what="the switch")
+        log = list(app.event_log)
+        assert log.index("TurnDone") < log.index("Switched")
+        assert app.history[0].mode == "prealloc"
+        await turn(pilot, "And then?")
+        assert app.last_stats.mode == "window"
+
+
+@async_test
+async def test_mode_dialog_validates_and_switches_and_marks_evicted_messages(stories4_path):
+    app = make_app(stories4_path, **{"sampling.max_tokens": 40})
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("f4")
+        await wait_until(pilot, lambda: isinstance(app.screen, ModeDialog), what="the dialog")
+        dialog = app.screen
+        dialog.query_one("#mode-select").value = "window"
+        await pilot.pause()
+        dialog.query_one("#f-window").value = "2"
+        dialog.query_one("#f-sinks").value = "4"
+        await pilot.pause()
+        dialog.action_apply()
+        await pilot.pause()
+        assert isinstance(app.screen, ModeDialog)  # refused
+        assert "must be >= sinks (4)" in str(dialog.query_one("#e-window").render())
+        dialog.query_one("#f-window").value = "48"
+        await pilot.pause()
+        dialog.action_apply()
+        await wait_until(pilot, lambda: app.info.mode == "window" and app.info.settings["window"] == 48
+                         and not app.bridge.busy, what="the switch")
+        for text in ("Tell me about a cat.", "What did the cat eat?", "Where did it sleep?", "Who was its friend?"):
+            await turn(pilot, text)
+        first_visible = app.cache_view.first_visible_message
+        assert first_visible >= 1 and app.cache_view.evicted > 0
+        widgets = [e.widget for e in app.entries]
+        assert all(w.has_class("evicted") and EVICTED_TAG in w.tags for w in widgets[:first_visible])
+        assert not any(w.has_class("evicted") for w in widgets[first_visible:])
+        assert app.query_one(StatusBar).plain.endswith(f"/{app.cache_view.evicted:,}")
+
+
+@async_test
+async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Hello")
+        app.switch_mode("quantized", {})
+        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.bridge.busy, what="the failure")
+        message, detail = app.failures[-1]
+        assert "head_dim" in message and "Traceback" in detail
+        notes = [n.message for n in app._notifications]
+        assert any("head_dim" in n for n in notes) and not any("Traceback" in n for n in notes)
+        assert app.mode == "prealloc"
+        assert "Traceback" not in await screen_text(pilot)
+        await turn(pilot, "Still there?")  # the session still works
+        assert app.last_stats.mode == "prealloc"
+
+
+@async_test
+async def test_compare_modes(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Tell me about a cat.")
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: isinstance(app.screen, CompareScreen) and app.screen.done
+                         and not app.bridge.busy, what="the comparison")
+        screen = app.screen
+        assert [r.mode for r in screen.rows] == MODES
+        ok = [r for r in screen.rows if not r.error]
+        failed = [r for r in screen.rows if r.error]
+        assert {r.mode for r in failed} == {"quantized", "window-quant"}  # head_dim 8 cannot be quantised
+        assert all(r.decode_tps > 0 and r.ttft > 0 for r in ok)
+        assert len({r.reply for r in ok}) == 1  # greedy on the same context: the same reply
+        assert screen.query_one("#compare-table").row_count == len(MODES)
+        text = await screen_text(pilot)
+        assert "decode tok/s" in text and "█" in text and "head_dim" in text
+        await pilot.press("escape")
+        assert not isinstance(app.screen, CompareScreen)
+
+
+@async_test
+async def test_side_panel_shows_steps_layers_and_modes(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        panel = app.query_one(SidePanel)
+        assert not panel.display
+        await turn(pilot, "Tell me about a cat.")
+        await pilot.press("f3")
+        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.bridge.busy, what="switch")
+        await turn(pilot, "What did the cat eat?")
+        await pilot.press("f2")
+        await pilot.pause()
+        assert panel.display
+        chart = panel.query_one("#steps-chart")
+        assert len(chart.data) > 5 and all(v > 0 for v in chart.data)
+        assert len(app.query_one("#layers").per_layer) == 5
+        assert {row.mode for row in panel.mode_rows} == {"prealloc", "concat"}
+        assert all(row.decode_tps > 0 and row.turns == 1 for row in panel.mode_rows)
+        assert "Decode step time vs context" in await screen_text(pilot)
+        await pilot.press("f2")
+        assert not panel.display
+
+
+# ---- screens ----------------------------------------------------------------------------------------------
+@async_test
+async def test_help_config_and_palette(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        text = await screen_text(pilot)
+        for key in ("Esc", "Ctrl+N", "Ctrl+R", "Ctrl+O", "Ctrl+L", "F2", "F3", "F4", "F5", "F6", "Ctrl+Q"):
+            assert key in text
+        await pilot.press("escape")
+        await pilot.press("f6")
+        assert isinstance(app.screen, ConfigScreen)
+        table = app.screen.query_one("#config-table")
+        assert table.row_count == len(app.config.describe())
+        row = [str(c) for c in table.get_row_at(0)]
+        assert row[0] == "model.id" and row[2] == "command line"
+        await pilot.press("escape")
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for title in ("Compare modes", "Cache mode…", "Next cache mode", "Toggle side panel", "New chat",
+                      "Regenerate", "Edit last message", "Show configuration", "Stop the reply"):
+            assert title in titles
+        assert all(f"Cache mode: {m}" in titles for m in MODES)
+
+
+@async_test
+async def test_load_failure_is_a_message_not_a_traceback(tmp_path):
+    app = ChatApp(load_config(overrides={"model.id": str(tmp_path)}))
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: app.load_error, what="the load failure")
+        await pilot.pause()
+        assert isinstance(app.screen, LoadingScreen) and app.screen.failed
+        text = await screen_text(pilot)
+        assert "could not be loaded" in text and "press q to quit" in text
+        assert "Traceback" not in text and "Traceback" not in app.load_error
+        await pilot.press("q")
+    assert app.return_code == 0
+
+
+# ---- safety -----------------------------------------------------------------------------------------------
+EVIL = "[bold red]x[/] \x1b[2J \x07 a\rb [link=https://example.com]y[/link]"
+
+
+@async_test
+async def test_markup_and_escape_sequences_are_shown_literally(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        await turn(pilot, EVIL)
+        user = list(app.query(UserMessage))[-1]
+        assert user.text == EVIL.strip()
+        text = await screen_text(pilot)
+        assert "[bold red]x[/] ␛[2J ␇ a␍b [link=https://example.com]y[/link]" in text
+        # A reply with the same content (as a model might write it), streamed in pieces.
+        reply = AssistantMessage()
+        await app.query_one(ChatView).mount(reply)
+        for piece in ("[bold", " red]x[/] \x1b", "[2J \x07 a\r", "b <b>z</b>"):
+            await reply.append(piece)
+        await reply.finish("[bold red]x[/] \x1b[2J \x07 a\rb <b>z</b>", "eos")
+        await pilot.pause()
+        text = await screen_text(pilot)
+        assert text.count("[bold red]x[/] ␛[2J ␇ a␍b") == 2 and "<b>z</b>" in text
+        assert "\x1b" not in text and "\x07" not in text and "\r" not in text
