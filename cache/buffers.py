@@ -27,7 +27,7 @@ def _grown(buf: mx.array | None, needed: int, step: int, like: mx.array) -> mx.a
 def _shift_left(buf: mx.array, start: int, n: int, length: int) -> mx.array:
     """Remove tokens [start, start+n) by moving the tail left (one copy of the tail)."""
     if start + n < length:
-        buf[..., start : length - n, :] = buf[..., start + n : length, :]
+        buf[:, :, start : length - n] = buf[:, :, start + n : length]
     return buf
 
 
@@ -53,18 +53,18 @@ class FullBuffer:
         if self.keys is None or end > self.keys.shape[2]:
             self.keys = _grown(self.keys, end, self.step, keys)
             self.values = _grown(self.values, end, self.step, values)
-        self.keys[..., self.length : end, :] = keys
-        self.values[..., self.length : end, :] = values
+        self.keys[:, :, self.length : end] = keys
+        self.values[:, :, self.length : end] = values
         self.length = end
         self._held_view = None
 
     def view(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         if start == 0 and end is None:
             if self._held_view is None:
-                self._held_view = (self.keys[..., : self.length, :], self.values[..., : self.length, :])
+                self._held_view = (self.keys[:, :, : self.length], self.values[:, :, : self.length])
             return self._held_view
         end = self.length if end is None else end
-        return self.keys[..., start:end, :], self.values[..., start:end, :]
+        return self.keys[:, :, start:end], self.values[:, :, start:end]
 
     def remove(self, start: int, n: int) -> None:
         self.keys = _shift_left(self.keys, start, n, self.length)
@@ -75,7 +75,7 @@ class FullBuffer:
     def rotate(self, start: int, delta: int, repos: Repositioner) -> None:
         """Re-position keys [start, length) by ``delta`` positions."""
         if delta and start < self.length:
-            self.keys[..., start : self.length, :] = repos.shift(self.keys[..., start : self.length, :], delta)
+            self.keys[:, :, start : self.length] = repos.shift(self.keys[:, :, start : self.length], delta)
             self._held_view = None
 
     def trim(self, n: int) -> None:
@@ -99,6 +99,7 @@ class QuantBuffer:
         self.keys: list[mx.array] | None = None  # [packed, scales, biases]
         self.values: list[mx.array] | None = None
         self.length = 0
+        self._held_view: tuple | None = None
 
     @property
     def capacity(self) -> int:
@@ -120,24 +121,27 @@ class QuantBuffer:
         self.keys = self._write(self.keys, qk, n)
         self.values = self._write(self.values, qv, n)
         self.length += n
+        self._held_view = None
 
     def _write(self, bufs: list[mx.array] | None, parts: tuple, n: int) -> list[mx.array]:
         bufs = [None] * 3 if bufs is None else bufs
         out = []
         for buf, part in zip(bufs, parts):
             buf = _grown(buf, self.length + n, self.step, part)
-            buf[..., self.length : self.length + n, :] = part
+            buf[:, :, self.length : self.length + n] = part
             out.append(buf)
         return out
 
     def packed(self) -> tuple[tuple[mx.array, ...], tuple[mx.array, ...]]:
-        """(packed, scales, biases) for K and for V, sliced to the tokens held."""
-        L = self.length
-        return (tuple(b[..., :L, :] for b in self.keys), tuple(b[..., :L, :] for b in self.values))
+        """(packed, scales, biases) for K and for V, sliced to the tokens held (made once per change)."""
+        if self._held_view is None:
+            L = self.length
+            self._held_view = (tuple(b[:, :, :L] for b in self.keys), tuple(b[:, :, :L] for b in self.values))
+        return self._held_view
 
     def dequantized(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         end = self.length if end is None else end
-        k, v = ([b[..., start:end, :] for b in bufs] for bufs in (self.keys, self.values))
+        k, v = ([b[:, :, start:end] for b in bufs] for bufs in (self.keys, self.values))
         return (
             mx.dequantize(*k, group_size=self.group_size, bits=self.bits),
             mx.dequantize(*v, group_size=self.group_size, bits=self.bits),
@@ -147,9 +151,11 @@ class QuantBuffer:
         self.keys = [_shift_left(b, 0, n, self.length) for b in self.keys]
         self.values = [_shift_left(b, 0, n, self.length) for b in self.values]
         self.length -= n
+        self._held_view = None
 
     def trim(self, n: int) -> None:
         self.length -= n
+        self._held_view = None
 
     def token_bytes(self) -> int:
         if self.keys is None:

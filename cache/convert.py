@@ -43,7 +43,7 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
     for old, new in zip(caches, target):
         k, v = old.content()
         if k is not None and k.shape[2]:
-            new.update_and_fetch(k, v)
+            new.absorb(k, v)
         new.evicted += evicted
         new.offset  # settle the target's policy (quantise, evict) before reporting on it
     mx.eval([c.state for c in target])

@@ -78,11 +78,15 @@ class ConcatKVCache(_CacheBase):
             self.values = mx.concatenate([self.values, values], axis=2)
         return self.keys, self.values
 
+    def absorb(self, keys: mx.array, values: mx.array) -> None:
+        """Take tokens outside a model step (conversion, restore)."""
+        self.update_and_fetch(keys, values)
+
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         if n:
             end = self.offset - n
-            self.keys, self.values = self.keys[..., :end, :], self.values[..., :end, :]
+            self.keys, self.values = self.keys[:, :, :end], self.values[:, :, :end]
         return n
 
     def content(self) -> tuple[mx.array | None, mx.array | None]:
@@ -165,6 +169,11 @@ class SegmentedKVCache(_CacheBase):
         self.delta_q = 0
         self.evicted = 0
         self._pending = False
+        # Whether this model routes attention through attend() (see attention.py): unknown until
+        # seen. Until then update_and_fetch returns the full (dequantised) history, which is
+        # right either way; once attend() has followed an update, it may skip building it.
+        self._dispatched: bool | None = None
+        self._awaiting_attend = False
 
     # ---- protocol -------------------------------------------------------------------------
     @property
@@ -174,14 +183,27 @@ class SegmentedKVCache(_CacheBase):
         return self._held()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._awaiting_attend:
+            self._dispatched = False  # the model attended without calling attend(): never skip
+        self.absorb(keys, values)
+        if self._dispatched and self._quant_len():
+            # attend() will run, so skip building the dequantised history: even unevaluated,
+            # its graph costs ~50 us of Python per layer and step.
+            return self.full.view()
+        self._awaiting_attend = self._dispatched is None
+        return self.content()
+
+    def absorb(self, keys: mx.array, values: mx.array) -> None:
+        """Take tokens outside a model step (conversion, restore); the policy then applies."""
         if self._pending:
             self._maintain()
         self.full.append(keys, values)
         self._pending = self._needs_maintenance()
-        return self.content()
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention for the step that just wrote its tokens (see attention.py)."""
+        if self._awaiting_attend:
+            self._awaiting_attend, self._dispatched = False, True  # the dispatch is in place
         k, v = self.full.view()
         if not self._quant_len():
             return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)

@@ -272,6 +272,9 @@ def test_convert_unchanged_and_quantized_roundtrip():
     caches = make_caches(model, s)
     model(mx.array([ids]), cache=caches)
     assert convert_caches(caches, model, s).action == "unchanged"
+    to_wq = convert_caches(caches, model, CacheSettings(mode="window-quant", **SMALL))
+    model(mx.array([[3]]), cache=to_wq.caches)
+    assert to_wq.caches[0]._dispatched is True  # conversion does not hide the dispatch
     conv = convert_caches(caches, model, CacheSettings(mode="prealloc"))
     assert conv.action == "converted" and "dequantised" in conv.reason
     got = model(mx.array([[5]]), cache=conv.caches)[0, -1]
@@ -338,3 +341,36 @@ def test_any_sequence_of_operations_matches_recompute(start, ops, seed):
             cu = c.usage()
             full, quant = expected_bytes(cu, 2, 64, 4, 8, 64)
             assert (cu.full_bytes, cu.quant_bytes) == (full, quant)
+
+
+def test_cache_learns_whether_attention_is_dispatched():
+    """Only after attend() has followed an update may update_and_fetch skip the dequantised
+    history; a caller that never calls attend() always gets the whole history."""
+    model = tiny_llama(layers=1)
+    s = CacheSettings(mode="quantized", **SMALL)
+    caches = make_caches(model, s)
+    ids = random_ids(80)
+    decode(model, caches, ids, prefill=60)
+    c = caches[0]
+    assert c.usage().quant_tokens > 0 and c._dispatched is True
+    k, _ = c.update_and_fetch(mx.zeros((1, 2, 1, 64)), mx.zeros((1, 2, 1, 64)))
+    assert k.shape[2] == c.usage().full_tokens  # attention runs through attend(), not these
+    # A fresh cache driven without attend(): every call returns the full history.
+    bare = make_caches(model, s)[0]
+    bare.update_and_fetch(*c.content())
+    for _ in range(3):
+        k, v = bare.update_and_fetch(mx.zeros((1, 2, 1, 64)), mx.zeros((1, 2, 1, 64)))
+        assert k.shape[2] == bare.offset and bare._dispatched is False
+
+
+def test_mixed_attention_keeps_the_query_dtype():
+    model = tiny_llama(layers=1)
+    caches = make_caches(model, CacheSettings(mode="window-quant", **SMALL))
+    decode(model, caches, random_ids(150), prefill=20)
+    c = caches[0]
+    c.update_and_fetch(mx.random.normal((1, 2, 1, 64)), mx.random.normal((1, 2, 1, 64)))
+    q = mx.random.normal((1, 8, 1, 64))
+    out16 = c.attend(q.astype(mx.bfloat16), scale=0.125, mask=None)
+    out32 = c.attend(q, scale=0.125, mask=None)
+    assert out16.dtype == mx.bfloat16
+    assert mx.abs(out16.astype(mx.float32) - out32).max().item() < 0.05
