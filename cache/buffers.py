@@ -48,9 +48,8 @@ class FullBuffer:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
-        n = keys.shape[2]
-        end = self.length + n
-        if self.keys is None or end > self.keys.shape[2]:
+        end = self.length + keys.shape[2]
+        if end > self.capacity:
             self.keys = _grown(self.keys, end, self.step, keys)
             self.values = _grown(self.values, end, self.step, values)
         self.keys[:, :, self.length : end] = keys

@@ -174,6 +174,7 @@ class SegmentedKVCache(_CacheBase):
         # right either way; once attend() has followed an update, it may skip building it.
         self._dispatched: bool | None = None
         self._awaiting_attend = False
+        self._plain = self.quant is None and budget is None
 
     # ---- protocol -------------------------------------------------------------------------
     @property
@@ -183,6 +184,9 @@ class SegmentedKVCache(_CacheBase):
         return self._held()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self._plain:  # nothing to quantise or evict: the hot path of prealloc
+            self.full.append(keys, values)
+            return self.full.view()
         if self._awaiting_attend:
             self._dispatched = False  # the model attended without calling attend(): never skip
         self.absorb(keys, values)
