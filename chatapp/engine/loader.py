@@ -125,6 +125,7 @@ class LoadedModel:
     n_kv_heads: int | None
     head_dim: int | None
     n_layers: int | None
+    cpu_plan: Any = None  # chatapp.backend.cpu.CpuPlan, set by engine.setup.load_engine
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from typing import Callable
 
 from cache import CacheConfigError, CacheSettings
 
+from .device import pick_backend
 from .generate import GenerationSettings
 from .loader import DownloadProgress, LoadedModel, ModelLoadError, load_model
 from .session import Session
@@ -16,10 +17,19 @@ class SetupError(Exception):
 
 
 def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
+    """Load the model and give it the backend's fast path (the CPU plan is a no-op on GPUs)."""
     try:
-        return load_model(config.model.id, progress=progress, dtype=config.model.dtype)
+        loaded = load_model(config.model.id, progress=progress, dtype=config.model.dtype)
     except ModelLoadError as e:
         raise SetupError(str(e)) from None
+    from chatapp.backend.cpu import accelerate_model, physical_memory_bytes
+
+    cpu = config.cpu
+    loaded.cpu_plan = accelerate_model(
+        loaded.model, backend=pick_backend().name, dense_prefill_threshold=cpu.dense_prefill_threshold,
+        dense_weights=cpu.dense_weights, dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction),
+    )
+    return loaded
 
 
 def cache_settings_from(config, mode: str | None = None) -> CacheSettings:
@@ -53,4 +63,9 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None
     session.model_id = loaded.model_id
+    plan = getattr(loaded, "cpu_plan", None)
+    if plan is not None and plan.applied:
+        session.notices.append(f"CPU fast path: {plan.summary()}")
+    if plan is not None:
+        session.notices.extend(plan.warnings)
     return session
