@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chatapp",
         description="Chat with a local LLM on MLX; stays fast when the conversation gets long.",
-        epilog="Benchmarks: chatapp bench {cache,turns,decode,quality,cpu} --help",
+        epilog="Saved conversations: chatapp sessions {list,export,rename,delete} --help. "
+        "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume} --help",
     )
     p.add_argument("--model", "-m", help="Hugging Face repo id or local folder (default from config)")
     p.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--blas", help="auto, off, or a path to a BLAS library exporting cblas_*")
     x.add_argument("--dense-weights", choices=["auto", "on", "off"])
     p.add_argument("--data-dir", help="where conversations and snapshots are stored")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="ID",
+                   help="continue a saved conversation (the latest when no ID): see `chatapp sessions list`")
+    p.add_argument("--no-save", action="store_true", help="keep this conversation in memory only")
     p.add_argument("--distributed", choices=["tensor", "pipeline"],
                    help="shard the model over the ranks of an `mlx.launch` job (detected automatically when launched)")
     return p
@@ -110,11 +114,17 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import main as bench_main
 
             return bench_main(argv[1:])
+        if argv and argv[0] == "sessions":
+            return sessions_main(argv[1:])
         args = build_parser().parse_args(argv)
         config = load_config(args.config, overrides_from(args))
         if args.show_config:
             print(config.describe_text())
             return 0
+        if args.resume is not None:
+            if not (args.no_tui or args.prompt is not None):
+                raise UserError("--resume needs --no-tui (or -p) for now: the TUI has no sessions screen yet")
+            args.resume_id = _resume_target(args, config)
         blas = _preload_blas(config.cpu.blas)
         if args.distributed or _launched_distributed():
             from .engine.distributed import run_distributed
@@ -162,67 +172,240 @@ def _preload_blas_from_env():
     return _preload_blas(os.environ.get("CHATAPP_BLAS", "auto"))
 
 
+def _resume_target(args, config) -> int:
+    """The conversation --resume names; unless --model was given, continue with its model.
+
+    Read before any model is loaded, writing nothing."""
+    from .store import NotFound, StoreError, resolve_data_dir
+    from .store.db import model_spec_of
+
+    try:
+        cid, spec = model_spec_of(resolve_data_dir(config), args.resume)
+    except NotFound as e:
+        raise UserError(str(e)) from None
+    except StoreError as e:
+        raise UserError(f"cannot resume: {e}") from None
+    if spec and config.source("model.id") != "command line":
+        config.model.id = spec
+        config.sources["model.id"] = f"conversation {cid}"
+    return cid
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - mlx-lm depends on transformers
+        return
+    hf_logging.set_verbosity_error()
+
+
+def _print_notes(chat, printable) -> None:
+    for n in chat.take_notes():
+        print(f"chatapp: {n.level}: {printable(n.text)}", file=sys.stderr)
+
+
 def run_no_tui(args, config, blas) -> int:
+    """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
+
+    Exit status: 0; 2 for a refused or empty -p prompt; 1 when some stdin message was refused;
+    130 after Ctrl-C (a Ctrl-C during a reply only stops that reply when reading stdin);
+    143 after SIGTERM (the reply stops, is saved as interrupted, the snapshot is written).
+    """
     from .engine.generate import TokenEvent, TurnDone
+    from .store import read_lines, resolve_data_dir
+    from .store.chat import ModelIdentity, open_chat
     from .textsafe import printable
 
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("the prompt is empty")  # before anything is loaded or written
     if args.verbose and blas is not None:
         print(f"chatapp: BLAS: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
     from .engine.setup import load_engine, session_from_config
 
     loaded = load_engine(config)
+    _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
     session = session_from_config(config, loaded)
     for note in session.notices:
         print(f"chatapp: note: {note}", file=sys.stderr)
     out = sys.stdout
     safe = printable if out.isatty() else (lambda s: s)
-    stats_file: TextIO | None = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
+    err_safe = printable
 
-    interrupted = {"n": 0}
+    # Nothing is written to the data directory before the model has loaded: a bad model,
+    # folder or network leaves no trace there.
+    resume_id = getattr(args, "resume_id", None)
+    chat = open_chat(session, ModelIdentity.from_loaded(loaded, config.model.id), resolve_data_dir(config),
+                     save=not args.no_save, resume=resume_id, snapshot_cap_mb=config.data.snapshot_cap_mb)
+    _print_notes(chat, err_safe)
+    info = chat.resume_info
+    if info is not None and info.from_snapshot and args.verbose:
+        print(f"chatapp: {info.line()}", file=sys.stderr)
+    pending_resume = info.to_json() if info is not None else None
+
+    stats_file: TextIO | None = None
+    state = {"replying": False, "cancelled": False, "term": False}
 
     def on_signal(signum, frame):
-        interrupted["n"] += 1
-        session.cancel()
-        if interrupted["n"] > 1:
-            raise KeyboardInterrupt
+        if signum == signal.SIGTERM:
+            state["term"] = True
+        if state["replying"] and not state["cancelled"]:
+            state["cancelled"] = True
+            session.cancel()  # the reply stops at the next token; it is kept, marked interrupted
+            return
+        raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    def turn(text: str) -> str:
+        """Returns "ok", "cancelled" or "refused"."""
+        nonlocal pending_resume
+        prepared = chat.prepare(text)
+        for n in prepared.notes:
+            print(f"chatapp: note: {err_safe(n)}", file=sys.stderr)
+        if not prepared.send:
+            print(f"chatapp: error: {prepared.refusal}", file=sys.stderr)
+            return "refused"
+        state["replying"], state["cancelled"] = True, False
+        finish = "ok"
+        try:
+            for ev in chat.send(prepared.text):
+                if isinstance(ev, TokenEvent) and ev.text:
+                    out.write(safe(ev.text))
+                    out.flush()
+                elif isinstance(ev, TurnDone):
+                    state["replying"] = False
+                    out.write("\n")
+                    out.flush()
+                    if stats_file:
+                        row = ev.stats.to_json()
+                        row["conversation_id"] = chat.conversation_id
+                        if pending_resume is not None:
+                            row["resume"] = pending_resume
+                        stats_file.write(json.dumps(row) + "\n")
+                        stats_file.flush()
+                    pending_resume = None
+                    if args.verbose:
+                        for n in ev.stats.notices:
+                            print(f"chatapp: note: {n}", file=sys.stderr)
+                        print(f"chatapp: {ev.stats.short()}", file=sys.stderr)
+                    finish = "cancelled" if ev.stats.finish == "cancelled" else "ok"
+                    break
+        finally:
+            state["replying"] = False
+        _print_notes(chat, err_safe)
+        chat.save_snapshot()  # idle now: keep the caches for --resume
+        _print_notes(chat, err_safe)
+        return finish
 
-    def turn(text: str) -> bool:
-        for ev in session.send(text):
-            if isinstance(ev, TokenEvent) and ev.text:
-                out.write(safe(ev.text))
-                out.flush()
-            elif isinstance(ev, TurnDone):
-                out.write("\n")
-                out.flush()
-                if stats_file:
-                    stats_file.write(json.dumps(ev.stats.to_json()) + "\n")
-                    stats_file.flush()
-                if args.verbose:
-                    for n in ev.stats.notices:
-                        print(f"chatapp: note: {n}", file=sys.stderr)
-                    print(f"chatapp: {ev.stats.short()}", file=sys.stderr)
-                return ev.stats.finish != "cancelled"
-        return True
-
+    old_int = signal.signal(signal.SIGINT, on_signal)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
     try:
+        stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
         if args.prompt is not None:
-            if not args.prompt.strip():
-                raise UserError("the prompt is empty")
-            return 0 if turn(args.prompt) else 130
-        first = True
-        for line in sys.stdin:
-            line = line.rstrip("\n")
+            result = turn(args.prompt)
+            if state["term"]:
+                return 143
+            return {"ok": 0, "cancelled": 130, "refused": 2}[result]
+        first, refused = True, False
+        for line in read_lines(sys.stdin.buffer):
             if not line.strip():
                 continue  # empty and whitespace-only messages are ignored
             if not first:
                 out.write("\n")
             first = False
-            if not turn(line):
-                return 130
-        return 0
+            result = turn(line)
+            refused = refused or result == "refused"
+            if state["term"]:
+                return 143
+        return 1 if refused else 0
+    except KeyboardInterrupt:
+        return 143 if state["term"] else 130
     finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
         if stats_file:
             stats_file.close()
+        chat.close()  # a reply still streaming is kept as interrupted; the snapshot is saved
+        _print_notes(chat, err_safe)
+
+
+# ---- chatapp sessions ... ------------------------------------------------------------------------
+
+
+def build_sessions_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatapp sessions", description="Saved conversations.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--data-dir", help="where conversations and snapshots are stored")
+    common.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = sub.add_parser("list", parents=[common], help="list saved conversations, the latest first")
+    ls.add_argument("--json", action="store_true", help="one JSON array instead of a table")
+    ex = sub.add_parser("export", parents=[common], help="write one conversation as Markdown or JSON")
+    ex.add_argument("id", help="conversation id, or 'latest'")
+    ex.add_argument("--format", choices=["markdown", "json"], default="markdown")
+    ex.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    rn = sub.add_parser("rename", parents=[common], help="give a conversation a new name")
+    rn.add_argument("id", help="conversation id, or 'latest'")
+    rn.add_argument("name", nargs="+", help="the new name")
+    rm = sub.add_parser("delete", parents=[common], help="delete a conversation and its snapshot")
+    rm.add_argument("id", help="conversation id, or 'latest'")
+    return p
+
+
+def sessions_main(argv: list[str]) -> int:
+    """`chatapp sessions list|export|rename|delete`: no model, no MLX."""
+    import time
+
+    from .store import NotFound, StoreBusy, StoreError, export, resolve_data_dir
+    from .store.db import ChatStore
+    from .textsafe import printable
+
+    args = build_sessions_parser().parse_args(argv)
+    overrides = {"data.dir": args.data_dir} if args.data_dir else {}
+    config = load_config(args.config, overrides)
+    data_dir = resolve_data_dir(config)
+    try:
+        with ChatStore.open(data_dir, write=False) as store:
+            if args.command == "list":
+                convs = store.list_conversations()
+                if args.json:
+                    print(json.dumps([c.to_json() for c in convs], ensure_ascii=False, indent=2))
+                elif not convs:
+                    print(f"no saved conversations in {data_dir}")
+                else:
+                    rows = [("ID", "UPDATED", "MSGS", "SNAPSHOT", "MODEL", "TITLE")]
+                    for c in convs:
+                        snap = f"{c.snapshot_bytes / (1 << 20):.1f} MiB" if c.snapshot_bytes else "-"
+                        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+                        rows.append((str(c.id), when, str(c.messages), snap, printable(c.model_id),
+                                     printable(c.title.replace("\n", " "))))
+                    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+                    for r in rows:
+                        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+                return 0
+            cid = store.resolve(args.id)
+            if args.command == "export":
+                text = export(store, cid, args.format)
+                if args.output:
+                    with open(args.output, "w", encoding="utf-8", newline="") as f:
+                        f.write(text)
+                else:
+                    sys.stdout.write(printable(text) if sys.stdout.isatty() else text)
+                    sys.stdout.flush()
+                return 0
+        # rename / delete change the store: they need the data directory's lock
+        with ChatStore.open(data_dir, write=True) as store:
+            if args.command == "rename":
+                store.rename(cid, " ".join(args.name))
+                print(f"renamed conversation {cid}")
+            else:
+                store.delete(cid)
+                print(f"deleted conversation {cid}")
+        return 0
+    except StoreBusy as e:
+        print(f"chatapp: error: {e}: try again when it has exited", file=sys.stderr)
+        return 1
+    except (NotFound, StoreError) as e:
+        print(f"chatapp: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"chatapp: error: {data_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Keep every test (and every `chatapp` subprocess a test starts) away from the user's own
+# config and data: an empty config dir and a throwaway data dir, unless a test sets its own.
+os.environ.setdefault("CHATAPP_CONFIG_DIR", tempfile.mkdtemp(prefix="chatapp-test-config-"))
+os.environ.setdefault("CHATAPP_DATA_DIR", tempfile.mkdtemp(prefix="chatapp-test-data-"))
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"

@@ -15,6 +15,8 @@ BENCHES = {
     "decode": "chatapp.bench.decode_bench",
     "quality": "chatapp.bench.quality_bench",
     "cpu": "chatapp.bench.cpu_bench",
+    "resume": "chatapp.bench.resume_bench",
+    "distributed": "chatapp.bench.distributed_bench",
 }
 
 

@@ -1,0 +1,526 @@
+"""A chat session that is saved as it goes, and resumed from its KV snapshot.
+
+:class:`PersistentChat` wraps an engine :class:`~chatapp.engine.session.Session`:
+
+* every message is committed to the transcript store as soon as it is complete (the user's
+  message when it is sent, the reply when it ends);
+* while a reply streams, what has been shown so far is written as an ``in_progress`` row every
+  :data:`PARTIAL_SECONDS` seconds or :data:`PARTIAL_TOKENS` tokens; when the reply ends the row
+  becomes ``complete`` or ``interrupted`` (cancelled); a row still ``in_progress`` when the
+  store is next opened was cut off by a kill or crash and is marked ``interrupted`` then;
+* :meth:`PersistentChat.save_snapshot` (after a turn, when idle, and on :meth:`close`) writes
+  the session's KV caches to a snapshot; :meth:`PersistentChat.resume` reads the transcript and
+  restores the caches from the snapshot when it fits, else lets the next turn re-prefill the
+  transcript, saying why;
+* a failing write (disk full, read-only file system, ...) is reported once as a
+  :class:`Note` and the chat goes on in memory; nothing committed before is touched.
+
+Everything runs on the thread that drives the session (MLX work included).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from chatapp.engine.conversation import Conversation, Message
+from chatapp.engine.generate import TokenEvent, TurnDone
+
+from .db import ChatStore, StoreError, describe_sqlite_error
+from .lock import StoreBusy
+from .paths import prune_snapshots, snapshot_path
+from .textio import clean_text, is_blank
+
+PARTIAL_SECONDS = 0.5
+PARTIAL_TOKENS = 64
+MiB = 1 << 20
+
+
+@dataclass
+class Note:
+    """A one-line message for the user: ``level`` is "note" or "error"."""
+
+    level: str
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class ModelIdentity:
+    """Which model a conversation and its snapshots belong to."""
+
+    model_id: str
+    model_spec: str  # what to load to continue: a local folder's absolute path, or the repo id
+    weights_fingerprint: str
+
+    @classmethod
+    def from_loaded(cls, loaded, spec: str | None = None) -> "ModelIdentity":
+        """From a :class:`~chatapp.engine.loader.LoadedModel` and what the user asked to load."""
+        spec = spec if spec is not None else loaded.model_id
+        local = Path(spec).expanduser()
+        model_spec = str(local.resolve()) if local.is_dir() else spec
+        return cls(loaded.model_id, model_spec, loaded.weights_fingerprint)
+
+
+@dataclass
+class ResumeInfo:
+    """How a conversation was resumed (the ``resume`` field of ``--stats-json``)."""
+
+    conversation_id: int
+    source: str  # "snapshot": caches restored; "transcript": the next turn re-prefills
+    reason: str  # why the snapshot was not used ("" when it was)
+    messages: int
+    snapshot_tokens: int  # token ids the restored caches represent (0 for "transcript")
+    load_seconds: float  # reading the transcript and restoring the caches
+    switch: str = ""  # a cache-mode switch made after restoring (other settings asked for now)
+
+    @property
+    def from_snapshot(self) -> bool:
+        return self.source == "snapshot"
+
+    def line(self) -> str:
+        if self.from_snapshot:
+            text = (f"resumed conversation {self.conversation_id} ({self.messages} messages) from its KV "
+                    f"snapshot: {self.snapshot_tokens} tokens restored in {self.load_seconds * 1000:.0f} ms, "
+                    "no re-prefill")
+            return text + (f"; {self.switch}" if self.switch else "")
+        return (f"conversation {self.conversation_id}: KV snapshot not used ({self.reason}); "
+                f"re-prefilling its {self.messages} messages from the transcript")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Prepared:
+    """A message checked before sending (see :meth:`PersistentChat.prepare`)."""
+
+    text: str  # the text as it will be sent and stored
+    send: bool  # False: blank (ignored) or refused
+    refusal: str = ""  # why it is refused (one line); "" for a blank message
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Turn:
+    seq: int  # index the reply will take in the conversation
+    text: str = ""
+    tokens: int = 0
+    written: bool = False
+    tokens_at_write: int = 0
+    time_at_write: float = 0.0
+
+
+def transcript_hash(session, messages: list[Message]) -> str:
+    """sha256 of the token ids ``messages`` render to (no generation prompt)."""
+    from .snapshot import token_hash
+
+    return token_hash(session.format.tokens(Conversation(list(messages)), generation_prompt=False))
+
+
+class PersistentChat:
+    """A :class:`Session` whose conversation is stored as it goes; see the module docstring.
+
+    ``store`` is None (nothing saved) or a :class:`ChatStore`; one opened read-only can be
+    resumed from but nothing is written to it.
+    """
+
+    def __init__(self, session, identity: ModelIdentity, store: ChatStore | None = None, *,
+                 snapshot_cap_mb: int = 2048):
+        self.session = session
+        self.identity = identity
+        self.store = store
+        self.cap_bytes = int(snapshot_cap_mb) * MiB
+        self.conversation_id: int | None = None
+        self.resume_info: ResumeInfo | None = None
+        self._notes: list[Note] = []
+        self._mirror: list[tuple[str, str, str]] = []  # what the store holds for this conversation
+        self._failed = False
+        self._snapshot_failed = False
+        self._cap_noted = False
+        self._snapshot_key: tuple | None = None  # what the last snapshot written (or restored) holds
+        self._turn: _Turn | None = None
+
+    # ---- state ----------------------------------------------------------------------------------
+    @property
+    def saving(self) -> bool:
+        """True while messages are being written (a writable store that has not failed)."""
+        return self.store is not None and self.store.writable and not self.store.closed and not self._failed
+
+    def take_notes(self) -> list[Note]:
+        """The messages for the user since the last call (each shown once)."""
+        notes, self._notes = self._notes, []
+        return notes
+
+    def _note(self, level: str, text: str) -> None:
+        self._notes.append(Note(level, text))
+
+    # ---- sending --------------------------------------------------------------------------------
+    def prepare(self, text: str) -> Prepared:
+        """Check a message before sending: blank ones are ignored; one that would take the
+        conversation past the model's trained context is refused when the cache mode keeps every
+        token, or (auto mode) makes the session take its long-history policy now; one longer
+        than an evicting cache keeps gets a note saying what the model will see. Nothing is
+        ever cut silently."""
+        text = clean_text(text)
+        if is_blank(text):
+            return Prepared(text, False)
+        s = self.session
+        notes: list[str] = []
+        conv = s.conversation.copy()
+        conv.add("user", text)
+        try:
+            total = len(s.format.tokens(conv))
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the order of roles
+            reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            return Prepared(text, False, f"message not sent: the model's chat template refuses the conversation "
+                                         f"({reason})")
+        max_pos = s.geometry.max_positions
+        if max_pos and total > max_pos and s.settings.budget is None:
+            report = s.use_long_policy()
+            if report is None:
+                return Prepared(text, False, (
+                    f"message not sent: with it the conversation is {total} tokens, more than the model's "
+                    f"context of {max_pos}, and cache mode {s.mode} keeps every token "
+                    "(use --cache-mode window, window-quant or auto)"))
+            notes.append(f"the conversation ({total} tokens) is longer than the model's context ({max_pos}): "
+                         f"{report.line()}")
+        if s.settings.budget is not None:
+            before = len(s.format.tokens(s.conversation, generation_prompt=False)) if s.conversation.messages else 0
+            own = total - before
+            keep = s.settings.budget
+            if own > keep:
+                notes.append(
+                    f"this message is about {own} tokens, more than the {keep} the {s.mode} cache keeps: "
+                    f"the model will see the first {s.settings.sinks} tokens of the conversation and the "
+                    f"last {keep - s.settings.sinks} (the whole message is kept in the transcript)")
+        return Prepared(text, True, "", notes)
+
+    def send(self, text: str) -> Iterator:
+        """Add a user message and stream the reply (the session's events), saving both."""
+        text = clean_text(text)
+        if is_blank(text):
+            raise ValueError("an empty message is not sent")
+        self._close_open_turn()
+        events = self.session.send(text)
+        self._sync()
+        return self._record(events)
+
+    def regenerate(self) -> Iterator:
+        self._close_open_turn()
+        events = self.session.regenerate()
+        self._sync()
+        return self._record(events)
+
+    def edit_last(self, text: str) -> Iterator:
+        self._close_open_turn()
+        events = self.session.edit_last(clean_text(text))
+        self._sync()
+        return self._record(events)
+
+    def new_chat(self) -> None:
+        """Start a new conversation (the current one is kept, with its snapshot)."""
+        self._close_open_turn()
+        self.save_snapshot()
+        self.session.new_chat()
+        self.conversation_id = None
+        self._mirror = []
+        self._snapshot_key = None
+        self.resume_info = None
+
+    def commit(self) -> None:
+        """Save the session's conversation as it stands (after the caller changed
+        ``session.conversation`` directly, e.g. to load or edit a history)."""
+        self._sync()
+
+    def rename(self, title: str) -> None:
+        """Rename the current conversation (it must have been saved)."""
+        if self.conversation_id is None or not self.saving:
+            raise StoreError("this conversation is not saved")
+        if is_blank(clean_text(title)):
+            raise StoreError("the new name is empty")
+        self._write(lambda: self.store.rename(self.conversation_id, title))
+
+    def _record(self, events) -> Iterator:
+        turn = _Turn(seq=len(self.session.conversation.messages))
+        self._turn = turn
+        try:
+            for ev in events:
+                if isinstance(ev, TokenEvent):
+                    turn.tokens += 1
+                    if ev.text:
+                        turn.text += ev.text
+                        now = time.monotonic()
+                        if (not turn.written or turn.tokens - turn.tokens_at_write >= PARTIAL_TOKENS
+                                or now - turn.time_at_write >= PARTIAL_SECONDS):
+                            self._write_partial(turn, now)
+                elif isinstance(ev, TurnDone):
+                    self._end_turn(turn, finished=True)
+                yield ev
+        finally:
+            if self._turn is turn:
+                self._end_turn(turn, finished=False)
+
+    def _close_open_turn(self) -> None:
+        """A reply the caller stopped reading without closing it ends here, as interrupted."""
+        if self._turn is not None:
+            self._end_turn(self._turn, finished=False)
+
+    def _write_partial(self, turn: _Turn, now: float) -> None:
+        turn.tokens_at_write, turn.time_at_write = turn.tokens, now
+        if self._ensure_conversation() and self._write(
+                lambda: self.store.put_message(self.conversation_id, turn.seq, "assistant", turn.text, "in_progress")):
+            turn.written = True
+
+    def _end_turn(self, turn: _Turn, finished: bool) -> None:
+        self._turn = None
+        if not finished:
+            # The reply was abandoned mid-way (an exception, or the caller stopped reading): keep
+            # what was shown as an interrupted reply, in the session as in the store.
+            conv = self.session.conversation
+            if turn.text and len(conv.messages) == turn.seq:
+                conv.add("assistant", turn.text, interrupted=True)
+        self._sync(from_seq=turn.seq if turn.written else None)
+
+    # ---- the transcript ---------------------------------------------------------------------------
+    def _write(self, fn) -> bool:
+        """Run one store write; on failure report it once and go on in memory."""
+        if not self.saving:
+            return False
+        try:
+            fn()
+            return True
+        except (sqlite3.Error, OSError, StoreError) as e:
+            self._failed = True
+            reason = describe_sqlite_error(e) if isinstance(e, sqlite3.Error) else (
+                getattr(e, "strerror", None) or str(e))
+            self._note("error", f"could not save the conversation to {self.store.path} ({reason}): the chat goes "
+                                "on in memory, and what was saved before is intact")
+            return False
+
+    def _ensure_conversation(self) -> bool:
+        if self.conversation_id is not None:
+            return True
+        if not self.saving:
+            return False
+        created: list[int] = []
+        ok = self._write(lambda: created.append(self.store.create_conversation(
+            model_id=self.identity.model_id, model_spec=self.identity.model_spec,
+            weights_fingerprint=self.identity.weights_fingerprint, prompt_format=self.session.format.fmt)))
+        if ok:
+            self.conversation_id = created[0]
+            self._mirror = []
+        return ok
+
+    def _sync(self, from_seq: int | None = None) -> None:
+        """Make the stored messages equal the session's (rewriting from the first difference)."""
+        if not self.saving:
+            return
+        msgs = [(m.role, clean_text(m.content), "interrupted" if m.interrupted else "complete")
+                for m in self.session.conversation.messages]
+        if self.conversation_id is None:
+            if not any(role == "user" for role, _, _ in msgs) or not self._ensure_conversation():
+                return
+        k = 0
+        while k < min(len(msgs), len(self._mirror)) and msgs[k] == self._mirror[k]:
+            k += 1
+        if from_seq is not None:
+            k = min(k, from_seq)
+        elif k == len(msgs) == len(self._mirror):
+            return
+        if self._write(lambda: self.store.replace_messages(self.conversation_id, k, msgs[k:])):
+            self._mirror = msgs
+
+    # ---- snapshots --------------------------------------------------------------------------------
+    def _snapshot_path(self) -> Path:
+        return snapshot_path(self.store.data_dir, self.conversation_id)
+
+    def _current_key(self) -> tuple:
+        from .snapshot import token_hash
+
+        s = self.session
+        n = len(s.conversation.messages)
+        return (token_hash(s.cached), s.settings, n, transcript_hash(s, s.conversation.messages))
+
+    def save_snapshot(self) -> bool:
+        """Write the caches to this conversation's snapshot when they changed since the last one.
+
+        Call it when idle (after a turn) and on exit. Returns True when a snapshot was written.
+        Skipped (False) when nothing is saved, the caches are mid-update, the size cap is 0 or
+        too small (said once), or an earlier snapshot write failed (said then).
+        """
+        from .snapshot import SnapshotWriteError, save_snapshot, state_nbytes
+
+        s = self.session
+        if (not self.saving or self.conversation_id is None or self._snapshot_failed or self._turn is not None
+                or not s.cached or self.cap_bytes <= 0 or not s.cache_consistent()):
+            return False
+        key = self._current_key()
+        if key == self._snapshot_key:
+            return False
+        estimate = state_nbytes(s.caches) + 4 * len(s.cached)
+        if estimate > self.cap_bytes:
+            if not self._cap_noted:
+                self._cap_noted = True
+                self._note("note", f"the KV snapshot ({estimate / MiB:.1f} MiB) is larger than data.snapshot_cap_mb "
+                                   f"({self.cap_bytes // MiB} MiB), so it is not saved: resuming will re-prefill")
+            return False
+        path = self._snapshot_path()
+        try:
+            save_snapshot(
+                path, caches=s.caches, tokens=s.cached, settings=s.settings, requested_mode=s.requested_mode,
+                model_id=self.identity.model_id, weights_fingerprint=self.identity.weights_fingerprint,
+                messages=key[2], transcript_sha256=key[3], prompt_format=s.format.fmt,
+                conversation_id=self.conversation_id)
+        except SnapshotWriteError as e:
+            self._snapshot_failed = True
+            self._note("error", f"could not save the KV snapshot to {path} ({e}): resuming will re-prefill; "
+                                "what was saved before is intact")
+            return False
+        self._snapshot_key = key
+        prune_snapshots(self.store.data_dir, self.cap_bytes, keep=path)
+        return True
+
+    # ---- resuming ---------------------------------------------------------------------------------
+    def resume(self, ref: int | str | None = None) -> ResumeInfo:
+        """Continue a saved conversation (``ref``: its id, or None / "latest").
+
+        The transcript becomes the session's conversation. The snapshot is used when it was made
+        by this model (id and weights fingerprint), its token ids and data are intact, and the
+        transcript's first messages still render to the tokens it was made from; its caches are
+        then restored and the next turn prefills only the new message. Otherwise the caches
+        start empty and the next turn re-prefills the transcript; :attr:`ResumeInfo.reason` (and
+        a note) says why. Raises :class:`~chatapp.store.db.NotFound` for an unknown id.
+        """
+        from .snapshot import SnapshotError
+
+        if self.store is None:
+            raise StoreError("there is no conversation store to resume from")
+        self._close_open_turn()
+        t0 = time.perf_counter()
+        cid = self.store.resolve(ref)
+        stored = self.store.messages(cid)
+        s = self.session
+        s.new_chat()
+        s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in stored])
+        self.conversation_id = cid
+        self._mirror = [(m.role, m.content, m.status) for m in stored]
+        self._snapshot_key = None
+        info = self.store.get(cid)
+        if self.saving and (info.model_id, info.model_spec, info.weights_fingerprint) != (
+                self.identity.model_id, self.identity.model_spec, self.identity.weights_fingerprint):
+            self._write(lambda: self.store.set_model(
+                cid, model_id=self.identity.model_id, model_spec=self.identity.model_spec,
+                weights_fingerprint=self.identity.weights_fingerprint, prompt_format=s.format.fmt))
+        try:
+            restored, switch = self._restore_snapshot(cid, s.conversation.messages)
+            self.resume_info = ResumeInfo(cid, "snapshot", "", len(stored), restored,
+                                          time.perf_counter() - t0, switch)
+        except SnapshotError as e:
+            s.new_chat()
+            s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in stored])
+            self.resume_info = ResumeInfo(cid, "transcript", str(e), len(stored), 0, time.perf_counter() - t0)
+            self._note("note", self.resume_info.line())
+        return self.resume_info
+
+    def _restore_snapshot(self, cid: int, messages: list[Message]) -> tuple[int, str]:
+        import mlx.core as mx
+
+        from cache import CacheConfigError
+        from cache.factory import restore_caches
+
+        from .snapshot import SnapshotError, read_snapshot
+
+        s = self.session
+        snap = read_snapshot(snapshot_path(self.store.data_dir, cid))
+        if snap.conversation_id != cid:
+            raise SnapshotError(f"it belongs to conversation {snap.conversation_id}")
+        if snap.model_id != self.identity.model_id:
+            raise SnapshotError(f"it was made with model {snap.model_id}, not {self.identity.model_id}")
+        if snap.weights_fingerprint != self.identity.weights_fingerprint:
+            raise SnapshotError(f"the weights of {self.identity.model_id} have changed since it was made")
+        if snap.prompt_format != s.format.fmt:
+            raise SnapshotError(
+                f"it was made with the {snap.prompt_format} prompt format, this chat uses {s.format.fmt}")
+        if snap.messages > len(messages):
+            raise SnapshotError(f"it covers {snap.messages} messages, the transcript has only {len(messages)}")
+        if transcript_hash(s, messages[: snap.messages]) != snap.transcript_sha256:
+            raise SnapshotError("the transcript renders to other tokens than the ones it holds")
+        try:
+            caches = restore_caches(s.model, snap.settings, snap.states, snap.metas, s.geometry)
+            mx.eval([c.state for c in caches])
+        except (CacheConfigError, ValueError) as e:  # CacheStateError is a ValueError
+            raise SnapshotError(f"it does not fit this model ({e})") from None
+        report = s.restore_state(caches, snap.tokens, snap.settings)
+        if report is None:
+            self._snapshot_key = self._current_key()  # nothing new to save until the next turn
+        return len(snap.tokens), report.line() if report else ""
+
+    # ---- closing ----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish: keep a reply still streaming as interrupted, save the snapshot, close the store."""
+        self._close_open_turn()
+        try:
+            self.save_snapshot()
+        finally:
+            if self.store is not None:
+                self.store.close()
+
+    def __enter__(self) -> "PersistentChat":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_chat(session, identity: ModelIdentity, data_dir: str | Path, *, save: bool = True,
+              resume: int | str | None = None, snapshot_cap_mb: int = 2048) -> PersistentChat:
+    """A :class:`PersistentChat` on the store in ``data_dir``.
+
+    ``save=True`` opens the store for writing. When another process holds the data directory,
+    or it cannot be written (read-only, disk full, not a directory), the chat runs in memory and
+    a note says so (:meth:`PersistentChat.take_notes`); a busy store is still read for ``resume``.
+    ``resume`` (an id, or "latest") continues a saved conversation (see
+    :meth:`PersistentChat.resume`); it raises :class:`~chatapp.store.db.NotFound` /
+    :class:`StoreError` when there is nothing to resume.
+    """
+    data_dir = Path(data_dir).expanduser()
+    notes: list[Note] = []
+    store: ChatStore | None = None
+    if save:
+        try:
+            store = ChatStore.open(data_dir, write=True)
+            if store.recovered:
+                n = store.recovered
+                notes.append(Note("note", f"{n} repl{'y' if n == 1 else 'ies'} left unfinished by an earlier run "
+                                          f"(killed, crashed or out of disk space) {'was' if n == 1 else 'were'} "
+                                          "kept as saved, marked interrupted"))
+        except StoreBusy as e:
+            notes.append(Note("note", f"{e}: this conversation will not be saved"))
+        except (OSError, StoreError) as e:
+            reason = getattr(e, "strerror", None) or str(e)
+            notes.append(Note("error", f"cannot save conversations in {data_dir} ({reason}): this chat is kept "
+                                       "in memory only"))
+    if store is None and resume is not None:
+        store = ChatStore.open(data_dir, write=False)
+    chat = PersistentChat(session, identity, store, snapshot_cap_mb=snapshot_cap_mb)
+    chat._notes.extend(notes)
+    if resume is not None:
+        try:
+            chat.resume(resume)
+        except BaseException:
+            if store is not None:
+                store.close()
+            raise
+    return chat
+
+
+__all__ = [
+    "ModelIdentity", "Note", "PARTIAL_SECONDS", "PARTIAL_TOKENS", "PersistentChat", "Prepared", "ResumeInfo",
+    "open_chat", "transcript_hash",
+]
