@@ -122,8 +122,6 @@ def main(argv: list[str] | None = None) -> int:
             print(config.describe_text())
             return 0
         if args.resume is not None:
-            if not (args.no_tui or args.prompt is not None):
-                raise UserError("--resume needs --no-tui (or -p) for now: the TUI has no sessions screen yet")
             args.resume_id = _resume_target(args, config)
         blas = _preload_blas(config.cpu.blas)
         if args.distributed or _launched_distributed():
@@ -134,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_no_tui(args, config, blas)
         from .ui.app import run_tui
 
-        return run_tui(config, blas=blas, verbose=args.verbose)
+        return run_tui(config, blas=blas, verbose=args.verbose,
+                       resume=getattr(args, "resume_id", None), save=not args.no_save)
     except ConfigError as e:
         print(f"chatapp: {e}", file=sys.stderr)
         return 2
@@ -219,7 +218,7 @@ def run_no_tui(args, config, blas) -> int:
     if args.prompt is not None and not args.prompt.strip():
         raise UserError("the prompt is empty")  # before anything is loaded or written
     if args.verbose and blas is not None:
-        print(f"chatapp: BLAS: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
+        print(f"chatapp: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
     from .engine.setup import load_engine, session_from_config
 
     loaded = load_engine(config)
@@ -304,14 +303,31 @@ def run_no_tui(args, config, blas) -> int:
             if state["term"]:
                 return 143
             return {"ok": 0, "cancelled": 130, "refused": 2}[result]
+        from cache import CacheConfigError
+
+        from .engine.distributed import CommandError, apply_command, parse_line, validate_command
+
         first, refused = True, False
         for line in read_lines(sys.stdin.buffer):
-            if not line.strip():
-                continue  # empty and whitespace-only messages are ignored
+            # Lines starting with "/" are commands (/mode MODE [key=value...], /set key=value...,
+            # /quit; "//text" sends "/text"); the same syntax drives distributed runs.
+            try:
+                cmd = parse_line(line)
+                if cmd is None:
+                    continue  # empty and whitespace-only messages are ignored
+                if cmd.kind == "quit":
+                    break
+                validate_command(session, cmd)
+                if cmd.kind != "send":
+                    print(f"chatapp: {apply_command(session, cmd)}", file=sys.stderr)
+                    continue
+            except (CommandError, CacheConfigError) as e:
+                print(f"chatapp: error: {err_safe(str(e))}", file=sys.stderr)
+                continue
             if not first:
                 out.write("\n")
             first = False
-            result = turn(line)
+            result = turn(cmd.text)
             refused = refused or result == "refused"
             if state["term"]:
                 return 143

@@ -103,5 +103,5 @@ def test_resume_checks_before_loading_anything(data, capsys):
     fill(data)
     assert main(["--no-tui", "--resume", "12", "-p", "hi"]) == 2
     assert "no conversation 12" in capsys.readouterr().err
-    assert main(["--resume", "1"]) == 2  # the TUI path
-    assert "--resume needs --no-tui" in capsys.readouterr().err
+    assert main(["--resume", "12"]) == 2  # the TUI path checks the same way before starting
+    assert "no conversation 12" in capsys.readouterr().err

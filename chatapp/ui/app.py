@@ -10,6 +10,10 @@ While a reply streams, messages are queued: Enter shows the message marked "queu
 sent when the engine is free; Esc stops the reply and puts queued messages back into the input
 box. Cache-mode switches asked for during a reply are queued on the engine thread and apply
 when the reply ends. Regenerate, edit, new chat and compare wait for an idle engine.
+
+Every conversation is saved as it goes (docs/persistence.md): the bridge's engine thread runs
+the turns through a :class:`~chatapp.store.chat.PersistentChat`. The sessions screen (F7) lists
+the saved conversations and opens (resumes), renames or deletes them.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ from textual.widgets import Footer
 
 from chatapp.engine.stats import CacheView, StepStat, TurnStats
 
-from .bridge import EngineBridge, EngineEvent, LoadProgress, SessionInfo, StartupFailed
+from .bridge import (
+    ChatNotes, ConversationChanged, EngineBridge, EngineEvent, LoadProgress, SessionInfo, StartupFailed,
+    TranscriptLoaded,
+)
 from .format import MODES, freeze, freeze_cache, live_cache, next_mode, status_items
-from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog
+from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import (
     AssistantMessage, ChatInput, ChatMessage, ChatView, SidePanel, StatusBar, SystemMessage, UserMessage,
 )
@@ -69,16 +76,24 @@ class ChatApp(App[int]):
         Binding("ctrl+l", "clear", "Clear"),
         Binding("f4", "mode_dialog", "Mode…"),
         Binding("f6", "show_config", "Config"),
+        Binding("f7", "sessions", "Sessions", show=False),
         Binding("ctrl+p", "command_palette", "Palette", show=False),
     ]
 
-    def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False) -> None:
+    def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
+                 resume: int | str | None = None, save: bool = True) -> None:
         super().__init__()
         self.config = config
         self.blas = blas
         self.verbose = verbose
         self.freeze_stats = freeze_stats
-        self.bridge = EngineBridge(config, self.post_message)
+        self.bridge = EngineBridge(config, self.post_message, save=save, resume=resume)
+        self.conversation_id: int | None = None  # the saved conversation on screen, once opened / resumed
+        self.conversation_title = ""
+        self.resume_line = ""  # how the last opened conversation was resumed
+        self.store_notes: list[tuple[str, str]] = []  # every note / error of the conversation store
+        self.sessions_screen: SessionsScreen | None = None
+        self._pending_transcript: TranscriptLoaded | None = None  # --resume: shown once loaded
         self.loaded = False
         self.load_error = ""
         self.failures: list[tuple[str, str]] = []  # (message, traceback) of every Failed event
@@ -150,6 +165,18 @@ class ChatApp(App[int]):
         if isinstance(ev, StartupFailed):
             self._failed(ev)
             return
+        if isinstance(ev, ChatNotes):
+            self._store_notes(ev.notes)
+            return
+        if isinstance(ev, TranscriptLoaded):
+            if self.loaded:
+                await self._show_transcript(ev)
+            else:
+                self._pending_transcript = ev
+            return
+        if isinstance(ev, ConversationChanged):
+            await self._conversation_changed(ev)
+            return
         # The engine's own event classes (imported here, not at module level: importing them
         # imports MLX, which the engine thread has done by the time its first event arrives).
         from chatapp.engine.generate import PrefillProgress, TokenEvent, TurnDone
@@ -191,7 +218,10 @@ class ChatApp(App[int]):
         while self.loading_screen is not None and self.loading_screen in self.screen_stack:
             await self.pop_screen()
         self.loading_screen = None
-        if self.config.chat.system:
+        if self._pending_transcript is not None:
+            await self._show_transcript(self._pending_transcript)
+            self._pending_transcript = None
+        elif self.config.chat.system:
             await self._add_message(SystemMessage(self.config.chat.system, 0), "system")
         for note in ev.notes:
             self._notice(note)
@@ -278,6 +308,117 @@ class ChatApp(App[int]):
             return
         self._seen_notices.add(key)
         self.notify(note, title="note", severity="warning", markup=False, timeout=10)
+
+    # ---- saved conversations ----------------------------------------------------------------------
+    def _store_notes(self, notes: list[tuple[str, str]]) -> None:
+        for level, text in notes:
+            self.store_notes.append((level, text))
+            self.notify(text, title="error" if level == "error" else "note",
+                        severity="error" if level == "error" else "warning", markup=False, timeout=10)
+
+    async def _show_transcript(self, ev: TranscriptLoaded) -> None:
+        """A saved conversation became the session's: show its messages."""
+        self.editing = False
+        await self.query_one(ChatView).remove_children()
+        self.entries = []
+        self.conv_steps = []
+        self.last_stats = None
+        for i, (role, content, interrupted) in enumerate(ev.messages):
+            cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
+            widget = cls(content, i)
+            if isinstance(widget, AssistantMessage):
+                widget.finished = True
+                if interrupted:
+                    widget.tags = ["interrupted"]
+                    widget.add_class("interrupted")
+            self.entries.append(Entry(role, content, widget))
+            await self._mount_message(widget)
+        self.conversation_id = ev.conversation_id
+        self.conversation_title = ev.title
+        self.resume_line = ev.line
+        self.sub_title = ev.title
+        self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
+                    severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
+        self._update_input_state()
+        self._update_status()
+        self._update_panel()
+
+    async def _conversation_changed(self, ev: ConversationChanged) -> None:
+        if ev.deleted:
+            if ev.current:
+                await self._clear_conversation()
+                self.bridge.request_info()
+                self._track("call")
+            self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
+        else:
+            if ev.current:
+                self.conversation_title = ev.title
+                self.sub_title = ev.title
+            self.notify(f"conversation {ev.conversation_id} renamed to {ev.title}", markup=False, timeout=4)
+        if self.sessions_screen is not None and self.sessions_screen.is_attached:
+            self.sessions_screen.current = self._current_conversation()
+            self.sessions_screen.reload()
+
+    def _current_conversation(self) -> int | None:
+        chat = self.bridge.chat  # an int read from the engine thread's object: no lock needed
+        return chat.conversation_id if chat is not None else self.conversation_id
+
+    def list_conversations(self) -> tuple[list[Any], str]:
+        """The saved conversations (read on the UI thread: SQLite readers never block the writer)."""
+        from chatapp.store import ChatStore, StoreError
+
+        data_dir = self.bridge.data_dir()
+        try:
+            with ChatStore.open(data_dir, write=False) as store:
+                rows = store.list_conversations()
+        except (StoreError, OSError) as e:
+            return [], f"cannot read the saved conversations in {data_dir}: {e}"
+        if not rows:
+            return [], f"no saved conversations in {data_dir}"
+        return rows, ""
+
+    def action_sessions(self) -> None:
+        if isinstance(self.screen, SessionsScreen):
+            return
+        self.sessions_screen = SessionsScreen(self.list_conversations, self.open_conversation,
+                                              self.rename_conversation, self.delete_conversation,
+                                              current=self._current_conversation())
+        self.push_screen(self.sessions_screen)
+
+    def open_conversation(self, conversation_id: int) -> None:
+        """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
+        if self._refuse_busy("open"):
+            return
+        self.bridge.open_conversation(conversation_id)
+        self._track("call")
+        self.bridge.request_info()
+        self._track("call")
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        if not self.loaded:
+            self.notify("the model is still loading", severity="warning", markup=False)
+            return
+        self.bridge.rename_conversation(conversation_id, title)
+        self._track("call")
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if self._refuse_busy("delete"):
+            return
+        self.bridge.delete_conversation(conversation_id)
+        self._track("call")
+
+    async def _clear_conversation(self) -> None:
+        self.editing = False
+        await self.query_one(ChatView).remove_children()
+        self.entries = []
+        self.conv_steps = []
+        self.last_stats = None
+        self.conversation_id = None
+        self.conversation_title = ""
+        self.sub_title = ""
+        if self.config.chat.system:
+            await self._add_message(SystemMessage(self.config.chat.system), "system")
+        self._update_panel()
 
     # ---- streaming ----------------------------------------------------------------------------------
     async def _flush_stream(self) -> None:
@@ -483,13 +624,7 @@ class ChatApp(App[int]):
     async def action_new_chat(self) -> None:
         if self._refuse_busy("new chat"):
             return
-        self.editing = False
-        await self.query_one(ChatView).remove_children()
-        self.entries = []
-        self.conv_steps = []
-        self.last_stats = None
-        if self.config.chat.system:
-            await self._add_message(SystemMessage(self.config.chat.system), "system")
+        await self._clear_conversation()
         self.bridge.submit("new_chat")
         self._track("new_chat")
         self.bridge.request_info()
@@ -611,7 +746,7 @@ class ChatApp(App[int]):
     # Actions of the main screen: off while a dialog (or the loading screen) is on top, so that,
     # say, Ctrl+N in the mode dialog does not start a new chat behind it.
     MAIN_ACTIONS = frozenset({"cancel", "new_chat", "regenerate", "edit_last", "clear", "toggle_panel",
-                              "cycle_mode", "mode_dialog", "compare", "show_config"})
+                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"})
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_ACTIONS and len(self.screen_stack) > 1:
@@ -638,12 +773,17 @@ class ChatApp(App[int]):
         yield SystemCommand("Compare modes", "F5: replay the last turn in every cache mode", self.action_compare)
         yield SystemCommand("Show configuration", "F6: effective settings and where each came from",
                             self.action_show_config)
+        yield SystemCommand("Saved conversations", "F7: open (resume), rename or delete a saved conversation",
+                            self.action_sessions)
         yield SystemCommand("Help", "F1: keys and gauges", self.action_help)
 
 
-def run_tui(config, blas=None, verbose: bool = False) -> int:
-    """Run the terminal UI until the user quits; returns the process exit code."""
-    app = ChatApp(config, blas=blas, verbose=verbose)
+def run_tui(config, blas=None, verbose: bool = False, resume: int | str | None = None, save: bool = True) -> int:
+    """Run the terminal UI until the user quits; returns the process exit code.
+
+    ``resume`` (a conversation id or "latest") continues a saved conversation; ``save=False``
+    keeps the chat in memory only (``--no-save``)."""
+    app = ChatApp(config, blas=blas, verbose=verbose, resume=resume, save=save)
     result = app.run()
     if verbose:
         for message, detail in app.failures:

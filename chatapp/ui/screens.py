@@ -1,8 +1,9 @@
-"""Screens and dialogs: loading, help, configuration, cache-mode dialog, mode comparison."""
+"""Screens and dialogs: loading, help, configuration, cache-mode dialog, mode comparison, saved sessions."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from rich.table import Table
 from rich.text import Text
@@ -24,7 +25,7 @@ KEYS: list[tuple[str, str]] = [
                "e.g. with the kitty keyboard protocol)"),
     ("Esc", "stop the reply (the partial reply is kept, marked interrupted; queued messages return "
             "to the input box); cancel editing"),
-    ("Ctrl+N", "new chat (forget the conversation)"),
+    ("Ctrl+N", "new chat (the conversation stays saved: F7 reopens it)"),
     ("Ctrl+R", "regenerate the last reply"),
     ("Ctrl+O", "edit your last message (Enter resends it, Esc cancels)"),
     ("Ctrl+L", "clear the screen (the model keeps the conversation)"),
@@ -33,6 +34,7 @@ KEYS: list[tuple[str, str]] = [
     ("F4", "cache-mode dialog (mode and settings)"),
     ("F5", "compare cache modes on the last turn"),
     ("F6", "effective configuration and where each value came from"),
+    ("F7", "saved conversations: open (resume), rename, delete"),
     ("F1 / ?", "this help"),
     ("Ctrl+P", "command palette (every action, searchable)"),
     ("Ctrl+Q", "quit"),
@@ -305,3 +307,178 @@ class CompareScreen(ModalScreen):
                 out.append(" " + fmt(v) + "\n")
         out.rstrip()
         return out
+
+
+def fmt_when(ts: float, now: float | None = None) -> str:
+    """When a conversation was last updated: the time today, else the date and time."""
+    now = time.time() if now is None else now
+    lt = time.localtime(ts)
+    if time.localtime(now)[:3] == lt[:3]:
+        return time.strftime("today %H:%M", lt)
+    return time.strftime("%Y-%m-%d %H:%M", lt)
+
+
+class SessionsScreen(ModalScreen):
+    """Saved conversations, latest first: open (resume), rename, delete.
+
+    ``load()`` returns ``(rows, message)``: the store's ``ConversationInfo`` rows and a line to
+    show when there are none or the store cannot be read. The actions call back into the app
+    (``on_open(id)``, ``on_rename(id, title)``, ``on_delete(id)``), which runs them on the engine
+    thread and calls :meth:`reload` when they are done.
+    """
+
+    BINDINGS = [
+        Binding("escape,q,f7", "dismiss", "Close"),
+        Binding("enter,o", "open", "Open", priority=True),
+        Binding("r", "rename", "Rename"),
+        Binding("d,delete", "delete", "Delete"),
+    ]
+
+    def __init__(self, load: Callable[[], tuple[list[Any], str]], on_open: Callable[[int], Any],
+                 on_rename: Callable[[int, str], Any], on_delete: Callable[[int], Any],
+                 current: int | None = None) -> None:
+        super().__init__()
+        self._load = load
+        self.on_open = on_open
+        self.on_rename = on_rename
+        self.on_delete = on_delete
+        self.current = current
+        self.rows: list[Any] = []
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="sessions-box", classes="dialog"):
+            yield Static(Text("Saved conversations", style="bold"), markup=False)
+            yield DataTable(id="sessions-table", zebra_stripes=True, cursor_type="row")
+            yield Static("", id="sessions-status", markup=False)
+            yield Static(Text("Enter opens (resumes) · r renames · d deletes · Esc closes", style="dim"),
+                         classes="dialog-hint", markup=False)
+
+    def on_mount(self) -> None:
+        table = self.query_one(DataTable)
+        table.add_columns("id", "title", "updated", "messages", "model")
+        self.reload()
+        table.focus()
+
+    def reload(self) -> None:
+        rows, message = self._load()
+        self.rows = list(rows)
+        table = self.query_one(DataTable)
+        old = table.cursor_row
+        table.clear()
+        for c in self.rows:
+            mark = " ●" if c.id == self.current else ""
+            table.add_row(Text(f"{c.id}{mark}", justify="right"), Text(printable(c.title or "(untitled)")),
+                          Text(fmt_when(c.updated)), Text(str(c.messages), justify="right"),
+                          Text(printable(model_label(c.model_id)), style="dim"), key=str(c.id))
+        if self.rows:
+            table.move_cursor(row=min(max(old, 0), len(self.rows) - 1))
+        status = message or (f"{len(self.rows)} conversation{'s' if len(self.rows) != 1 else ''}"
+                             + ("; ● is the one on screen" if any(c.id == self.current for c in self.rows) else ""))
+        self.query_one("#sessions-status", Static).update(Text(status, style="dim"))
+
+    def selected(self) -> Any | None:
+        table = self.query_one(DataTable)
+        if not self.rows or table.cursor_row < 0 or table.cursor_row >= len(self.rows):
+            return None
+        return self.rows[table.cursor_row]
+
+    def select(self, conversation_id: int) -> bool:
+        """Move the cursor to a conversation (tests, and after a rename)."""
+        for i, c in enumerate(self.rows):
+            if c.id == conversation_id:
+                self.query_one(DataTable).move_cursor(row=i)
+                return True
+        return False
+
+    @on(DataTable.RowSelected)
+    def _row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        self.action_open()
+
+    def action_open(self) -> None:
+        c = self.selected()
+        if c is None:
+            return
+        self.dismiss()
+        self.on_open(c.id)
+
+    def action_rename(self) -> None:
+        c = self.selected()
+        if c is None:
+            return
+
+        def done(title: str | None) -> None:
+            if title:
+                self.on_rename(c.id, title)
+
+        self.app.push_screen(RenameDialog(c.title), done)
+
+    def action_delete(self) -> None:
+        c = self.selected()
+        if c is None:
+            return
+
+        def done(yes: bool | None) -> None:
+            if yes:
+                self.on_delete(c.id)
+
+        self.app.push_screen(ConfirmDialog(f"Delete conversation {c.id} “{c.title or '(untitled)'}” and its "
+                                           f"{c.messages} messages? This cannot be undone."), done)
+
+
+class RenameDialog(ModalScreen[str | None]):
+    """A new name for a conversation; Enter renames, Esc cancels."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, title: str) -> None:
+        super().__init__()
+        self.title_text = title
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="rename-box", classes="dialog"):
+            yield Static(Text("Rename conversation", style="bold"), markup=False)
+            yield Input(self.title_text, id="rename-input", compact=True)
+            yield Static(Text("Enter renames · Esc cancels", style="dim"), classes="dialog-hint", markup=False)
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    @on(Input.Submitted)
+    def _submitted(self, event: Input.Submitted) -> None:
+        title = event.value.strip()
+        if not title:
+            self.notify("the name is empty", severity="warning", markup=False)
+            return
+        self.dismiss(title)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+class ConfirmDialog(ModalScreen[bool]):
+    """Yes / no; y or Enter confirms, n or Esc cancels."""
+
+    BINDINGS = [Binding("y", "yes", "Yes"), Binding("n,escape", "no", "No")]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box", classes="dialog"):
+            yield Static(Text(printable(self.question)), markup=False)
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Delete", variant="error", id="yes", compact=True)
+                yield Button("Cancel", id="no", compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    @on(Button.Pressed, "#yes")
+    def action_yes(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#no")
+    def action_no(self) -> None:
+        self.dismiss(False)

@@ -181,8 +181,10 @@ class ChatInput(TextArea):
     new lines."""
 
     NEWLINE_KEYS = ("ctrl+j", "alt+enter", "shift+enter")
-    # TextArea binds F6 to "select line"; here F6 is the app's configuration screen.
-    BINDINGS = [Binding("f6", "app.show_config", "Config", show=False)]
+    # TextArea binds F6 to "select line" and F7 to "select all"; here they are the app's
+    # configuration and saved-conversations screens (Ctrl+A still selects all).
+    BINDINGS = [Binding("f6", "app.show_config", "Config", show=False),
+                Binding("f7", "app.sessions", "Sessions", show=False)]
 
     class Submitted(Message):
         def __init__(self, chat_input: "ChatInput", text: str) -> None:
