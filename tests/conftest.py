@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -11,8 +13,10 @@ import pytest
 
 # Keep every test (and every `chatapp` subprocess a test starts) away from the user's own
 # config and data: an empty config dir and a throwaway data dir, unless a test sets its own.
-os.environ.setdefault("CHATAPP_CONFIG_DIR", tempfile.mkdtemp(prefix="chatapp-test-config-"))
-os.environ.setdefault("CHATAPP_DATA_DIR", tempfile.mkdtemp(prefix="chatapp-test-data-"))
+for _var, _prefix in (("CHATAPP_CONFIG_DIR", "chatapp-test-config-"), ("CHATAPP_DATA_DIR", "chatapp-test-data-")):
+    if _var not in os.environ:
+        os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
+        atexit.register(shutil.rmtree, os.environ[_var], True)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"

@@ -76,6 +76,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from .modelconfig import config_value
+
 __all__ = [
     "CACHE_KEYS",
     "Command",
@@ -340,12 +342,6 @@ def _peer_error(e: BaseException) -> bool:
 _PIPELINE_TYPES_HINT = "deepseek_v2/v3, glm4_moe, qwen2, qwen3_moe, qwen3_next, ministral3, ..."
 
 
-def _config_value(config: dict, *keys: str):
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            if source.get(key) is not None:
-                return source[key]
-    return None
 
 
 def _supports_pipeline(model) -> bool:
@@ -357,8 +353,8 @@ def check_heads(config: dict, size: int, where: str = "the model", model=None) -
 
     (mlx-lm's ``shard()`` divides them with ``//`` and would silently run a wrong model.)
     """
-    heads = _config_value(config, "num_attention_heads", "n_heads")
-    kv = _config_value(config, "num_key_value_heads", "n_kv_heads") or heads
+    heads = config_value(config, "num_attention_heads", "n_heads")
+    kv = config_value(config, "num_key_value_heads", "n_kv_heads") or heads
     if heads is None and model is not None:
         attn = getattr(model.layers[0], "self_attn", None)
         heads = getattr(attn, "n_heads", None)
@@ -402,7 +398,7 @@ def precheck_heads(spec: str, size: int) -> None:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return  # a repo id, or no readable config: the full check runs after loading
-    if not isinstance(config, dict) or _config_value(config, "num_attention_heads", "n_heads") is None:
+    if not isinstance(config, dict) or config_value(config, "num_attention_heads", "n_heads") is None:
         return
     check_heads(config, size, str(spec))
 
@@ -571,7 +567,7 @@ def load_shard(config, group, strategy: str | None):
         final = target or checkpoint_float_dtype(model)
         cast_floating(model, final)  # evaluates: only this rank's share
         model.eval()
-        max_pos = _config_value(lm_config, "max_position_embeddings")
+        max_pos = config_value(lm_config, "max_position_embeddings")
         loaded = LoadedModel(
             model=model, tokenizer=tokenizer, config=lm_config, model_id=model_id, path=path, format=fmt,
             dtype=dtype_name(final), weights_fingerprint=weights_fingerprint(files),
@@ -579,14 +575,14 @@ def load_shard(config, group, strategy: str | None):
             max_position_embeddings=int(max_pos) if max_pos is not None else None,
             n_kv_heads=None, head_dim=None, n_layers=None,
         )
-    heads = _config_value(lm_config, "num_attention_heads", "n_heads")
-    kv = _config_value(lm_config, "num_key_value_heads", "n_kv_heads") or heads
+    heads = config_value(lm_config, "num_attention_heads", "n_heads")
+    kv = config_value(lm_config, "num_key_value_heads", "n_kv_heads") or heads
     layers = loaded.model.layers
     attn = getattr(layers[0], "self_attn", None) if len(layers) else None
     local_kv = getattr(attn, "n_kv_heads", None)
     loaded.n_kv_heads = local_kv
     loaded.n_layers = len(layers)
-    loaded.head_dim = getattr(attn, "head_dim", None) or _config_value(lm_config, "head_dim")
+    loaded.head_dim = getattr(attn, "head_dim", None) or config_value(lm_config, "head_dim")
     info = ShardInfo(strategy, group.rank(), size, heads, kv, local_kv, len(layers))
     return loaded, info
 

@@ -42,6 +42,7 @@ from chatapp.engine.device import (
     dtype_name,
     pick_backend,
 )
+from chatapp.engine.modelconfig import config_value
 
 __all__ = [
     "ALLOW_PATTERNS",
@@ -897,22 +898,16 @@ def _load_legacy_tokenizer(path: Path, eos_token_ids=None):
 # the loader
 
 
-def _config_value(config: dict, *keys: str):
-    for source in (config, config.get("text_config") or {}):
-        for key in keys:
-            if source.get(key) is not None:
-                return source[key]
-    return None
 
 
 def _shape_info(model: nn.Module, config: dict) -> tuple[int | None, int | None, int | None]:
     layers = getattr(model, "layers", None)
-    n_layers = len(layers) if layers is not None else _config_value(config, "num_hidden_layers", "n_layers")
+    n_layers = len(layers) if layers is not None else config_value(config, "num_hidden_layers", "n_layers")
     attn = getattr(layers[0], "self_attn", None) if layers else None
-    n_kv = getattr(attn, "n_kv_heads", None) or _config_value(config, "num_key_value_heads", "num_attention_heads")
-    head_dim = getattr(attn, "head_dim", None) or _config_value(config, "head_dim")
+    n_kv = getattr(attn, "n_kv_heads", None) or config_value(config, "num_key_value_heads", "num_attention_heads")
+    head_dim = getattr(attn, "head_dim", None) or config_value(config, "head_dim")
     if head_dim is None:
-        hidden, heads = _config_value(config, "hidden_size"), _config_value(config, "num_attention_heads")
+        hidden, heads = config_value(config, "hidden_size"), config_value(config, "num_attention_heads")
         if hidden and heads:
             head_dim = hidden // heads
     as_int = lambda v: int(v) if v is not None else None  # noqa: E731
@@ -987,7 +982,7 @@ def load_model(
     model.eval()
 
     n_layers, n_kv_heads, head_dim = _shape_info(model, config)
-    max_pos = _config_value(config, "max_position_embeddings")
+    max_pos = config_value(config, "max_position_embeddings")
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
