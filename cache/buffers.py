@@ -31,7 +31,25 @@ def _shift_left(buf: mx.array, start: int, n: int, length: int) -> mx.array:
     return buf
 
 
-class FullBuffer:
+class _TokenBuffer:
+    """What both buffers share: a token count, a memoised view of the held tokens, and sizes."""
+
+    length: int
+    _held_view: tuple | None
+
+    def _arrays(self) -> list[mx.array]:
+        raise NotImplementedError
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+        self._held_view = None
+
+    def token_bytes(self) -> int:
+        """Bytes one token takes in K and V together (packed values, scales and biases included)."""
+        return sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in self._arrays())
+
+
+class FullBuffer(_TokenBuffer):
     """Contiguous full-precision K/V with chunked growth."""
 
     def __init__(self, step: int):
@@ -77,20 +95,11 @@ class FullBuffer:
             self.keys[:, :, start : self.length] = repos.shift(self.keys[:, :, start : self.length], delta)
             self._held_view = None
 
-    def trim(self, n: int) -> None:
-        self.length -= n
-        self._held_view = None
-
-    def token_bytes(self) -> int:
-        """Bytes one token takes in K and V together."""
-        if self.keys is None:
-            return 0
-        B, H, _, Dk = self.keys.shape
-        Dv = self.values.shape[-1]
-        return B * H * (Dk * self.keys.itemsize + Dv * self.values.itemsize)
+    def _arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
 
 
-class QuantBuffer:
+class QuantBuffer(_TokenBuffer):
     """Quantised K/V (packed uint32 + scales + biases), quantised along head_dim."""
 
     def __init__(self, step: int, bits: int, group_size: int):
@@ -152,12 +161,5 @@ class QuantBuffer:
         self.length -= n
         self._held_view = None
 
-    def trim(self, n: int) -> None:
-        self.length -= n
-        self._held_view = None
-
-    def token_bytes(self) -> int:
-        if self.keys is None:
-            return 0
-        per = lambda bufs: sum(b.shape[0] * b.shape[1] * b.shape[3] * b.itemsize for b in bufs)
-        return per(self.keys) + per(self.values)
+    def _arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [*self.keys, *self.values]
