@@ -1,0 +1,132 @@
+"""Smoke tests of the engine benchmarks (turns, decode, quality): tiny options, structure only.
+
+No timing is asserted here: performance claims live in the benchmarks and BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+
+import pytest
+
+TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                  head_dim=64, intermediate_size=256, vocab_size=258, max_position_embeddings=4096)
+
+
+def parse(name: str, argv: list[str]) -> argparse.Namespace:
+    mod = importlib.import_module(f"chatapp.bench.{name}_bench")
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--plot")
+    mod.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def outputs(tmp_path, name):
+    return tmp_path / f"{name}.json", tmp_path / f"{name}.png"
+
+
+def check_files(js, png) -> dict:
+    data = json.loads(js.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["rows"] and all(len(r) == len(data["columns"]) for r in data["rows"])
+    return data
+
+
+def test_turns_bench_smoke(tmp_path, monkeypatch, capsys):
+    from chatapp.bench import turns_bench
+
+    monkeypatch.setattr(turns_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    js, png = outputs(tmp_path, "turns")
+    args = parse("turns", ["--random", "--turns", "3", "--max-tokens", "3", "--repeats", "2",
+                           "--json", str(js), "--plot", str(png)])
+    assert turns_bench.run(args) == 0
+    data = check_files(js, png)
+    assert data["columns"] == ["turn", "prompt tokens", "reused", "TTFT reuse (ms)", "TTFT stateless (ms)", "ratio"]
+    assert [r[0] for r in data["rows"]] == [1, 2, 3]
+    prompts = [r[1] for r in data["rows"]]
+    assert prompts == sorted(prompts) and prompts[0] > 0
+    assert data["rows"][0][2] == 0  # nothing to reuse on the first turn
+    assert all(r[2] > 0 for r in data["rows"][1:])  # later turns reuse the cache
+    assert all(r[3] > 0 and r[4] > 0 for r in data["rows"])
+    assert data["meta"]["same_prompt_tokens"] is True
+    assert len(data["meta"]["runs"]) == 2
+    assert isinstance(data["meta"]["target"]["passed"], bool)
+    out = capsys.readouterr().out
+    assert "PASS" in out or "FAIL" in out
+
+
+def test_decode_bench_smoke(tmp_path, capsys):
+    from chatapp.bench import decode_bench
+
+    js, png = outputs(tmp_path, "decode")
+    args = parse("decode", ["--models", "tiny", "--contexts", "32,64", "--tokens", "2", "--repeats", "1",
+                            "--window", "32", "--max-kv-tokens", "48", "--evict-chunk", "16",
+                            "--quant-start", "16", "--json", str(js), "--plot", str(png)])
+    assert decode_bench.run(args) == 0
+    data = check_files(js, png)
+    assert data["columns"] == ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio"]
+    assert len(data["rows"]) == 2 * len(decode_bench.MODES)
+    for model, ctx, mode, held, tps, base, ratio in data["rows"]:
+        assert model == "tiny" and ctx in (32, 64) and mode in decode_bench.MODES
+        assert tps > 0 and base > 0 and ratio == pytest.approx(tps / base, rel=0.01)
+        if mode in ("prealloc", "concat", "quantized"):
+            assert held == ctx
+    # window keeps sinks + window = 36 tokens once the fill passed its budget plus a chunk
+    held = {(r[1], r[2]): r[3] for r in data["rows"]}
+    assert held[(64, "window")] == 36
+    assert held[(64, "window-quant")] == 48
+    targets = data["meta"]["targets"]
+    assert any(t["target"].startswith("prealloc") for t in targets)
+    assert all(isinstance(t["passed"], bool) for t in targets)
+
+
+def test_decode_bench_skips_what_the_model_cannot_run(tmp_path):
+    from cache import CacheConfigError, check_settings, model_geometry
+    from chatapp.bench import decode_bench
+
+    m = decode_bench.load_peer_model("tiny")
+    args = parse("decode", ["--kv-group-size", "128"])
+    with pytest.raises(CacheConfigError):
+        check_settings(decode_bench.settings_for(args, "quantized"), model_geometry(m["model"]))
+
+
+def test_quality_bench_smoke(tmp_path, monkeypatch):
+    from chatapp.bench import quality_bench
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. " * 4)
+    js, png = outputs(tmp_path, "quality")
+    args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "120", "--split", "64",
+                             "--prefill", "8", "--window", "32", "--evict-chunk", "16", "--max-kv-tokens", "64",
+                             "--quant-start", "32", "--cache-mode", "window,prealloc,quantized",
+                             "--json", str(js), "--plot", str(png)])
+    assert quality_bench.run(args) == 0
+    data = check_files(js, png)
+    assert data["columns"][:5] == ["mode", "tokens", "held at end", "ppl all", "ppl after 64"]
+    rows = {r[0]: r for r in data["rows"]}
+    assert list(rows) == ["prealloc", "window", "quantized"]  # prealloc first: the reference
+    assert rows["prealloc"][1] == 120 and rows["prealloc"][2] == 119
+    assert rows["window"][2] < 119  # evicted
+    assert float(rows["prealloc"][5]) == 1.0 and float(rows["prealloc"][6]) == 0
+    assert float(rows["window"][6]) >= 0
+    for r in data["rows"]:
+        assert r[3] > 1 and r[4] > 1 and not math.isnan(r[3])
+
+
+def test_quality_bench_skips_quantised_kv_on_head_dim_8(tmp_path, stories4_path):
+    from chatapp.bench import quality_bench
+
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little girl named Lily. She loved to play.")
+    js, png = outputs(tmp_path, "q8")
+    args = parse("quality", ["--model", str(stories4_path), "--text", str(text), "--cache-mode", "prealloc,quantized",
+                             "--json", str(js), "--plot", str(png)])
+    assert quality_bench.run(args) == 0
+    data = check_files(js, png)
+    assert [r[0] for r in data["rows"]] == ["prealloc"]
+    assert "head_dim (8)" in data["meta"]["skipped quantized"]
