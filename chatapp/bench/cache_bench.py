@@ -60,7 +60,7 @@ import mlx.nn as nn
 
 import cache
 from cache.rope import Repositioner
-from chatapp.bench.report import BenchReport, emit, line_plot
+from chatapp.bench.report import BenchReport, emit, line_plot, int_list, mode_list
 
 DTYPE = mx.bfloat16
 
@@ -71,27 +71,13 @@ FLOOR_RATIO = 1.5  # prealloc within this factor of the bare slice_update floor 
 FLAT_WINDOW = 1.3  # window modes at the largest N within this factor of the budget size
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
 
 
-def _modes(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in out if m not in cache.MODES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(cache.MODES)}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=_ints, default=[512, 1024, 2048, 4096], help="history lengths N (default 512,1024,2048,4096)")
-    p.add_argument("--modes", type=_modes, default=list(cache.MODES), help="cache modes (default: all)")
+    p.add_argument("--sizes", type=int_list, default=[512, 1024, 2048, 4096], help="history lengths N (default 512,1024,2048,4096)")
+    p.add_argument("--modes", type=mode_list, default=list(cache.MODES), help="cache modes (default: all)")
     p.add_argument("--layers", type=int, default=20, help="layers, one cache each (default 20)")
     p.add_argument("--steps", type=int, default=32, help="timed steps per point (default 32)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before timing (default 3)")
@@ -107,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-start", type=int, default=512)
     p.add_argument("--bits", type=int, default=8, help="kv_bits (default 8)")
     p.add_argument("--group-size", type=int, default=64, help="kv_group_size (default 64)")
-    p.add_argument("--attn-sizes", type=_ints, default=[1024, 2048, 4096], help="T for the attention table (default 1024,2048,4096)")
+    p.add_argument("--attn-sizes", type=int_list, default=[1024, 2048, 4096], help="T for the attention table (default 1024,2048,4096)")
     p.add_argument("--attn-window", type=int, default=256, help="recent window of the attention-table cache (default 256)")
     p.add_argument("--attn-layers", type=int, default=1, help="layers per attention step (default 1: one decode query)")
     p.add_argument("--no-attn", action="store_true", help="skip the attention table")

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.report import BenchReport, emit, line_plot
+from chatapp.bench.report import BenchReport, emit, line_plot, int_list, mode_list
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit")
 BIG = "llama2-7b-geometry"
@@ -58,31 +58,17 @@ PREALLOC_RATIO = 0.95  # chatapp prealloc tok/s / mlx-lm tok/s, at every context
 FLAT_RATIO = 0.90  # window modes: tok/s past the budget / tok/s at the budget (paired per repeat)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not out or any(x < 1 for x in out):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return out
 
 
-def _modes(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in out if m not in MODES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default=f"{DEFAULT_MODEL},{BIG}",
                    help=f"comma list of model folders, {BIG!r} and/or {TINY!r} "
                         f"(default: stories260K-4bit and {BIG})")
-    p.add_argument("--contexts", type=_ints, default=[128, 256, 512, 1024, 2048, 4096],
+    p.add_argument("--contexts", type=int_list, default=[128, 256, 512, 1024, 2048, 4096],
                    help="context lengths filled before decoding (default 128,256,512,1024,2048,4096)")
-    p.add_argument("--modes", type=_modes, default=list(MODES), help="chatapp cache modes (default: all)")
+    p.add_argument("--modes", type=mode_list, default=list(MODES), help="chatapp cache modes (default: all)")
     p.add_argument("--tokens", type=int, default=32, help="timed decode steps per run (default 32)")
     p.add_argument("--repeats", type=int, default=9, help="runs per peer and context (default 9)")
     p.add_argument("--big-tokens", type=int, default=4, help=f"--tokens for {BIG} (default 4)")

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.report import BenchReport, emit, line_plot
+from chatapp.bench.report import BenchReport, emit, line_plot, mode_list
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
 DEFAULT_MODEL = str(SHARED / "stories260K")
@@ -51,12 +51,6 @@ BUCKET = 128  # positions per point of the plot
 KL_LIMIT = 50_000_000  # store full distributions (for KL) only below this many floats
 
 
-def _modes(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [m for m in out if m not in MODES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stories260K tokens of generated text when --text is not given (default 1500)")
     p.add_argument("--save-text", metavar="FILE", help="write the scored text here")
     p.add_argument("--max-tokens", type=int, default=2048, help="score at most this many tokens (default 2048)")
-    p.add_argument("--cache-mode", type=_modes, default=None,
+    p.add_argument("--cache-mode", type=mode_list, default=None,
                    help="comma list of cache modes (default: every mode the model supports)")
     p.add_argument("--split", type=int, default=512, help="also report perplexity after this position (default 512)")
     p.add_argument("--prefill", type=int, default=1, help="tokens prefilled in one go before stepping (default 1)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -110,3 +111,27 @@ def emit(report: BenchReport, json_path: str | None, plot: callable | None = Non
     if plot_path and plot is not None:
         plot(plot_path)
         print(f"# wrote {plot_path}")
+
+
+# ---- argparse types shared by the benchmarks ----------------------------------------------------
+def int_list(text: str, minimum: int = 1) -> list[int]:
+    """Comma-separated integers of at least ``minimum``, e.g. "512,1024"."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or any(x < minimum for x in out):
+        what = "positive integers" if minimum == 1 else f"integers >= {minimum}"
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return out
+
+
+def mode_list(text: str) -> list[str]:
+    """Comma-separated cache modes, e.g. "prealloc,window"."""
+    from cache.settings import MODES
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [m for m in out if m not in MODES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+    return out

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.report import BenchReport, emit, line_plot
+from chatapp.bench.report import BenchReport, emit, line_plot, int_list
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit"
 RANDOM_SHAPE = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
@@ -55,18 +55,10 @@ HISTORY = [
 ]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    if not out or any(x < 16 for x in out):
-        raise argparse.ArgumentTypeError(f"expected integers >= 16, got {text!r}")
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", type=_ints, default=[256, 512, 1024, 2048],
+    p.add_argument("--lengths", type=lambda t: int_list(t, minimum=16), default=[256, 512, 1024, 2048],
                    help="history lengths in tokens (default 256,512,1024,2048)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per length and method (default 3)")
     p.add_argument("--models", default="random,stories",
