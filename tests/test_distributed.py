@@ -334,8 +334,11 @@ def test_kv4_window_matches_single_process_then_a_hung_rank_is_caught(models, en
     job.finish(30)
     _check_matrix_run(job, stats, replies, ref_stats, "window")
     assert job.exit_codes()[0] == dist.EXIT_PEER_LOST
-    line = next(ln for ln in job.chat_errors() if ln.startswith("chatapp: "))
-    assert re.search(r"distributed run stopped during turn 4: no progress for \d+ s in send", line), line
+    # Search the whole of stderr: mlx.launch relays each rank's stderr on its own thread, so
+    # under load another rank's output can land on the same line as rank 0's message.
+    found = re.search(r"distributed run stopped during turn 4: no progress for \d+ s in send[^\n]*", job.stderr)
+    assert found, job.stderr
+    line = found.group(0)
     assert "CHATAPP_DIST_TIMEOUT" in line and "(7 messages, 3 complete replies" in line
 
 
