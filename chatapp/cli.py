@@ -13,9 +13,8 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from .config import ConfigError, load_config
+from .config import CACHE_MODES, ConfigError, load_config
 
-CACHE_MODES = ["auto", "concat", "prealloc", "quantized", "window", "window-quant"]
 
 # flag dest -> dotted config key
 FLAG_KEYS = {

@@ -39,6 +39,7 @@ import platformdirs
 __all__ = [
     "APP_NAME",
     "CONFIG_DIR_ENV",
+    "CACHE_MODES",
     "SOURCE_DEFAULT",
     "SOURCE_COMMAND_LINE",
     "ConfigError",
@@ -61,6 +62,10 @@ __all__ = [
 APP_NAME = "chatapp"
 CONFIG_DIR_ENV = "CHATAPP_CONFIG_DIR"
 CONFIG_FILE_NAME = "config.toml"
+
+# The cache modes a user can choose ("auto" plus cache.settings.MODES); kept here, MLX-free,
+# for the CLI and the UI.
+CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant")
 
 SOURCE_DEFAULT = "default"
 SOURCE_COMMAND_LINE = "command line"
@@ -296,7 +301,7 @@ class CacheConfig:
     """``[cache]``: the key/value cache strategy and its sizes (in tokens)."""
 
     mode: str = _setting(
-        "auto", _Choice("auto", "concat", "prealloc", "quantized", "window", "window-quant"))
+        "auto", _Choice(*CACHE_MODES))
     chunk_size: int = _setting(256, _Int(multiple_of=256))
     sinks: int = _setting(4, _Int(minimum=0))
     window: int = _setting(1024, _Int(minimum=1))

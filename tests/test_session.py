@@ -6,7 +6,7 @@ import pytest
 
 from cache import CacheSettings
 from chatapp.engine.conversation import Conversation, PromptFormat
-from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone
+from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone, run_turn
 from chatapp.engine.session import Session, compare_modes
 
 GREEDY = GenerationSettings(temp=0.0, max_tokens=24)
@@ -17,12 +17,7 @@ QUESTIONS = [
 ]
 
 
-def run(events) -> TurnDone:
-    done = None
-    for ev in events:
-        if isinstance(ev, TurnDone):
-            done = ev
-    return done
+run = run_turn  # drain a turn, return its TurnDone
 
 
 def fresh_reply(model, tokenizer, conv: Conversation, generation=GREEDY, **kw) -> TurnDone:

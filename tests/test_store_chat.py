@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.generate import GenerationSettings, TokenEvent, TurnDone
+from chatapp.engine.generate import GenerationSettings, TokenEvent, TurnDone, run_turn
 from chatapp.engine.session import Session
 from chatapp.store import ChatStore
 from chatapp.store.chat import PARTIAL_TOKENS, ModelIdentity, PersistentChat, open_chat
@@ -20,12 +20,7 @@ QUESTIONS = ["Tell me about a cat.", "What did the cat eat?", "Where did it slee
 SMALL = dict(sinks=4, window=48, evict_chunk=16, max_kv_tokens=96, quant_start=40)
 
 
-def run(events) -> TurnDone:
-    done = None
-    for ev in events:
-        if isinstance(ev, TurnDone):
-            done = ev
-    return done
+run = run_turn  # drain a turn, return its TurnDone
 
 
 @pytest.fixture(scope="module")

@@ -127,19 +127,11 @@ def _history(session, length: int):
     return Conversation(head + [Message("assistant", " ".join(words[:lo]))])
 
 
-def _first_token(events) -> Any:
-    from chatapp.engine.generate import TurnDone
-
-    done = None
-    for ev in events:
-        if isinstance(ev, TurnDone):
-            done = ev
-    return done
 
 
 def _save(model, tok, ident, args, data_dir: Path, length: int) -> tuple[int, int, int]:
     """Store a conversation of ``length`` tokens with its snapshot; (id, tokens, snapshot bytes)."""
-    from chatapp.engine.generate import GenerationSettings
+    from chatapp.engine.generate import GenerationSettings, run_turn
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
     from chatapp.store.chat import open_chat
@@ -161,14 +153,14 @@ def _save(model, tok, ident, args, data_dir: Path, length: int) -> tuple[int, in
 
 
 def _resume(model, tok, ident, args, data_dir: Path, cid: int) -> dict:
-    from chatapp.engine.generate import GenerationSettings
+    from chatapp.engine.generate import GenerationSettings, run_turn
     from chatapp.engine.session import Session
     from chatapp.store.chat import open_chat
 
     s = Session(model, tok, mode=args.mode, generation=GenerationSettings(temp=0.0, max_tokens=1))
     t0 = time.perf_counter()
     chat = open_chat(s, ident, data_dir, save=False, resume=cid)
-    done = _first_token(s.send(NEXT_MESSAGE))
+    done = run_turn(s.send(NEXT_MESSAGE))
     total = time.perf_counter() - t0
     info = chat.resume_info
     chat.close()
@@ -180,7 +172,7 @@ def _resume(model, tok, ident, args, data_dir: Path, cid: int) -> dict:
 
 def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
     from chatapp.engine.conversation import Conversation, Message
-    from chatapp.engine.generate import GenerationSettings
+    from chatapp.engine.generate import GenerationSettings, run_turn
     from chatapp.engine.session import Session
     from chatapp.store.db import ChatStore
 
@@ -188,7 +180,7 @@ def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
     t0 = time.perf_counter()
     with ChatStore.open(data_dir, write=False) as store:
         s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in store.messages(cid)])
-    done = _first_token(s.send(NEXT_MESSAGE))
+    done = run_turn(s.send(NEXT_MESSAGE))
     return dict(total=time.perf_counter() - t0, reused=done.stats.reused_tokens,
                 prefilled=done.stats.prefill_tokens, token=done.text)
 

@@ -53,6 +53,15 @@ class TurnDone:
     stats: TurnStats
 
 
+def run_turn(events) -> TurnDone | None:
+    """Drain a turn's event stream and return its TurnDone (for callers that do not stream)."""
+    done = None
+    for ev in events:
+        if isinstance(ev, TurnDone):
+            done = ev
+    return done
+
+
 class StopMatcher:
     """Holds back text that could be the start of a stop string, so none is ever shown."""
 

@@ -17,9 +17,10 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from chatapp.engine.stats import CacheView, StepStat, TurnStats, fmt_bytes
+from chatapp.config import CACHE_MODES
 from chatapp.textsafe import printable
 
-MODES = ["auto", "concat", "prealloc", "quantized", "window", "window-quant"]
+MODES = list(CACHE_MODES)
 MODE_HELP = {
     "auto": "prealloc while short, window-quant (or window) once the conversation is long",
     "concat": "full precision; grows by concatenation (the simple reference)",
