@@ -14,11 +14,40 @@ Without the dispatch, ``update_and_fetch`` still returns correct (dequantised) a
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
 _WRAPPED_FLAG = "_chatapp_dispatch"
+
+# A kernel for attention of several queries (a prefill chunk) over full-precision keys:
+# ``kernel(queries, keys, values, scale, mask) -> mx.array | None`` (None: not handled).
+# mx.fast.scaled_dot_product_attention serves when none is set. A backend may install a faster
+# one: MLX's CPU SDPA is unfused and spends most of a long-context prefill in a scalar exp
+# (chatapp.backend.cpu_attention installs a vectorised one there).
+_prefill_kernel: Callable[..., mx.array | None] | None = None
+
+
+def set_prefill_kernel(kernel: Callable[..., mx.array | None] | None):
+    """Install (or with None remove) the multi-query attention kernel; returns the previous one."""
+    global _prefill_kernel
+    previous, _prefill_kernel = _prefill_kernel, kernel
+    return previous
+
+
+def prefill_kernel() -> Callable[..., mx.array | None] | None:
+    return _prefill_kernel
+
+
+def attend_full(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """Attention over full-precision keys: the installed prefill kernel for several queries,
+    else the fused SDPA (decode steps always take the fused path)."""
+    kernel = _prefill_kernel
+    if kernel is not None and queries.shape[2] > 1:
+        out = kernel(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def causal_mask(n_queries: int, n_keys: int) -> mx.array:

@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .attention import attend_mixed
+from .attention import attend_full, attend_mixed
 from .buffers import FullBuffer, QuantBuffer
 from .rope import Repositioner
 from .settings import CacheSettings
@@ -210,7 +210,7 @@ class SegmentedKVCache(_CacheBase):
             self._awaiting_attend, self._dispatched = False, True  # the dispatch is in place
         k, v = self.full.view()
         if not self._quant_len():
-            return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+            return attend_full(queries, k, v, scale, mask)
         qk, qv = self.quant.packed()
         s = self.sinks
         parts = [

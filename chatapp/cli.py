@@ -27,6 +27,7 @@ FLAG_KEYS = {
     "top_k": "sampling.top_k",
     "min_p": "sampling.min_p",
     "max_tokens": "sampling.max_tokens",
+    "ignore_eos": "sampling.ignore_eos",
     "seed": "sampling.seed",
     "cache_mode": "cache.mode",
     "window": "cache.window",
@@ -68,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int)
     g.add_argument("--min-p", type=float)
     g.add_argument("--max-tokens", type=int)
+    g.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="generate max-tokens tokens even past end-of-sequence (benchmarks, tests)")
     g.add_argument("--seed", type=int, help="-1 for random")
     c = p.add_argument_group("KV cache")
     c.add_argument("--cache-mode", choices=CACHE_MODES)

@@ -324,6 +324,7 @@ class SamplingConfig:
     seed: int | None = _setting(None, _Seed())
     max_tokens: int = _setting(512, _Int(minimum=1))
     repetition_penalty: float = _setting(1.0, _Float(lo=1.0))
+    ignore_eos: bool = _setting(False, _Bool())
 
 
 @dataclass
@@ -342,6 +343,7 @@ class CpuConfig:
     dense_weights: str = _setting("auto", _Choice("auto", "on", "off"))
     dense_budget_fraction: float = _setting(0.25, _Float(lo=0.0, hi=1.0))
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
+    fast_attention: bool = _setting(True, _Bool())
 
 
 @dataclass

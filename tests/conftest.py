@@ -59,3 +59,14 @@ def stories(stories_path):
     from mlx_lm import load
 
     return load(str(stories_path))
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_prefill_kernel():
+    """The prefill attention kernel is process-wide (installed by load_engine on the CPU
+    backend): each test starts without it and leaves none behind."""
+    from cache import set_prefill_kernel
+
+    set_prefill_kernel(None)
+    yield
+    set_prefill_kernel(None)

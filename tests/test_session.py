@@ -204,3 +204,17 @@ def test_random_model_all_modes_multi_turn():
         assert view.tokens == s.caches[0].offset == len(s.cached) - view.evicted
         if mode in ("quantized", "window-quant"):
             assert view.quant_tokens > 0
+
+
+def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):
+    model, tok = stories
+    settings = GenerationSettings(temp=0.0, max_tokens=400)
+    ended = run(Session(model, tok, generation=settings, raw=True).send("Once upon a time,"))
+    assert ended.stats.finish == "eos" and ended.stats.generated_tokens < 400
+    s = Session(model, tok, generation=GenerationSettings(temp=0.0, max_tokens=400, ignore_eos=True), raw=True)
+    events = list(s.send("Once upon a time,"))
+    done = events[-1]
+    assert done.stats.finish == "length" and done.stats.generated_tokens == 400
+    assert done.text.startswith(ended.text) and len(done.text) > len(ended.text)
+    assert "<s>" not in done.text and "</s>" not in done.text
+    assert any(e.token in s.eos_ids for e in events if isinstance(e, TokenEvent))

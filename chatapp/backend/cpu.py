@@ -53,17 +53,19 @@ class CpuPlan:
     embeddings: list[str] = field(default_factory=list)  # patched QuantizedEmbedding layers
     dense_layers: list[str] = field(default_factory=list)  # the ones with a kept float32 copy
     warnings: list[str] = field(default_factory=list)
+    attention: str = ""  # set by whoever installs the prefill attention kernel (cpu_attention.py)
 
     def summary(self) -> str:
+        tail = f"; {self.attention}" if self.attention else ""
         if not self.applied:
-            return f"cpu fast path: off ({self.reason})"
+            return f"cpu fast path: off ({self.reason}){tail}"
         gib = 1024**3
         return (
             f"cpu fast path: {len(self.layers)} linear + {len(self.embeddings)} embedding layers, "
             f"dense above {self.dense_prefill_threshold} tokens; float32 copies of "
             f"{len(self.dense_layers)}/{len(self.layers) + len(self.embeddings)} layers "
             f"({self.dense_bytes / gib:.2f} GiB of {self.budget_bytes / gib:.2f} GiB budget); "
-            f"BLAS {'loaded' if self.blas_loaded else 'NOT loaded (reference BLAS)'}"
+            f"BLAS {'loaded' if self.blas_loaded else 'NOT loaded (reference BLAS)'}{tail}"
         )
 
 

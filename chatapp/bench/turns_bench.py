@@ -70,6 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-weights", choices=("auto", "on", "off"), default="auto",
                    help="CPU fast path: keep float32 copies of 4-bit weights (default auto, as the app)")
     p.add_argument("--no-fast-path", action="store_true", help="do not apply the CPU fast path")
+    p.add_argument("--mlx-attention", action="store_true",
+                   help="CPU fast path without its numpy prefill attention (MLX SDPA throughout)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -97,7 +99,11 @@ def fast_path(model, args) -> str:
     from chatapp.backend.cpu import accelerate_model
     from chatapp.engine.device import pick_backend
 
-    plan = accelerate_model(model, backend=pick_backend().name, dense_weights=args.dense_weights)
+    from chatapp.backend.cpu_attention import install_prefill_attention
+
+    backend = pick_backend().name
+    plan = accelerate_model(model, backend=backend, dense_weights=args.dense_weights)
+    plan.attention = install_prefill_attention(backend, enabled=not args.mlx_attention)
     return plan.summary()
 
 

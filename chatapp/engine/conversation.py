@@ -7,11 +7,14 @@ Three formats:
 
       <system text>\n\n            (only when there is a system prompt)
       User: <message>\n
-      Assistant: <reply>\n\n
+      Assistant: <reply>\n\n       (the reply exactly as generated, when the session has it)
       User: <message>\n
       Assistant:                   (the generation prompt)
 
-  Generation stops when the model starts a new "\nUser:" line.
+  Generation stops when the model starts a new "\nUser:" line. A reply is shown and stored
+  stripped, but the model saw it as generated (a byte-level model's first token carries no
+  leading space; a SentencePiece one's does): the session keeps that text (``Message.raw``) and
+  renders it, so the next turn's tokens match the cache and the reply is not prefilled again.
 - ``raw`` (``--raw``): no template at all; messages are concatenated as they are, so the model
   simply continues the text.
 """
@@ -31,6 +34,7 @@ class Message:
     role: Role
     content: str
     interrupted: bool = False  # a reply cut short by cancel; kept as generated
+    raw: str | None = None  # plain/raw formats: the reply exactly as generated, when content is stripped
 
     def as_template_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -44,8 +48,8 @@ class Conversation:
     def start(cls, system: str = "") -> "Conversation":
         return cls([Message("system", system)] if system else [])
 
-    def add(self, role: Role, content: str, interrupted: bool = False) -> Message:
-        msg = Message(role, content, interrupted)
+    def add(self, role: Role, content: str, interrupted: bool = False, raw: str | None = None) -> Message:
+        msg = Message(role, content, interrupted, raw if raw != content else None)
         self.messages.append(msg)
         return msg
 
@@ -60,7 +64,7 @@ class Conversation:
         return None
 
     def copy(self) -> "Conversation":
-        return Conversation([Message(m.role, m.content, m.interrupted) for m in self.messages])
+        return Conversation([Message(m.role, m.content, m.interrupted, m.raw) for m in self.messages])
 
 
 class PromptFormat:
@@ -91,13 +95,15 @@ class PromptFormat:
                 tokenize=False,
             )
         if self.fmt == "raw":
-            return "".join(m.content for m in conv.messages)
+            return "".join(m.content if m.raw is None else m.raw for m in conv.messages)
         parts = []
         for m in conv.messages:
             if m.role == "system":
                 parts.append(f"{m.content}\n\n")
             elif m.role == "user":
                 parts.append(f"User: {m.content}\nAssistant:")
+            elif m.raw is not None:
+                parts.append(f"{m.raw}\n\n")
             else:
                 parts.append(f" {m.content}\n\n")
         text = "".join(parts)

@@ -314,9 +314,11 @@ class Session:
                 stats.steps.append(StepStat(context, (now - t_last) * 1000))
             t_last = now
             if tok in self.eos_ids:
-                finish = "eos"
-                break
-            detok.add_token(tok)
+                if not gen.ignore_eos:
+                    finish = "eos"
+                    break
+            else:
+                detok.add_token(tok)
             n += 1
             stats.generated_tokens = n
             stats.decode_seconds = now - t0 - stats.ttft
@@ -338,17 +340,17 @@ class Session:
         if tail:
             yield TokenEvent(tail, -1, stats)
         stats.finish = finish
-        text = stops.text
+        raw = text = stops.text
         if self.format.fmt == "plain":
-            text = text.strip()
-        self._finish(stats, t0, text, interrupted=finish == "cancelled")
+            text = text.strip()  # shown and stored stripped; the next prompt renders ``raw``
+        self._finish(stats, t0, text, interrupted=finish == "cancelled", raw=raw)
         yield TurnDone(text, stats)
 
-    def _finish(self, stats: TurnStats, t0: float, text: str, interrupted: bool) -> None:
+    def _finish(self, stats: TurnStats, t0: float, text: str, interrupted: bool, raw: str | None = None) -> None:
         # A cancelled reply is kept, marked interrupted: the cache holds its tokens, so the
         # conversation and the cache agree and the next turn reuses them.
         if text or not interrupted:
-            self.conversation.add("assistant", text, interrupted=interrupted)
+            self.conversation.add("assistant", text, interrupted=interrupted, raw=raw)
         switch = self._apply_policy(len(self.cached))
         if switch:
             stats.notices.append(switch.line())

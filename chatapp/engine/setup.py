@@ -23,12 +23,15 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
     except ModelLoadError as e:
         raise SetupError(str(e)) from None
     from chatapp.backend.cpu import accelerate_model, physical_memory_bytes
+    from chatapp.backend.cpu_attention import install_prefill_attention
 
     cpu = config.cpu
+    backend = pick_backend().name
     loaded.cpu_plan = accelerate_model(
-        loaded.model, backend=pick_backend().name, dense_prefill_threshold=cpu.dense_prefill_threshold,
+        loaded.model, backend=backend, dense_prefill_threshold=cpu.dense_prefill_threshold,
         dense_weights=cpu.dense_weights, dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction),
     )
+    loaded.cpu_plan.attention = install_prefill_attention(backend, cpu.fast_attention)
     return loaded
 
 
@@ -49,7 +52,7 @@ def generation_from(config) -> GenerationSettings:
     s = config.sampling
     return GenerationSettings(
         temp=s.temp, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-        max_tokens=s.max_tokens, repetition_penalty=s.repetition_penalty,
+        max_tokens=s.max_tokens, repetition_penalty=s.repetition_penalty, ignore_eos=s.ignore_eos,
     )
 
 
