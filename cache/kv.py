@@ -18,7 +18,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from .attention import attend_full, attend_mixed
+from .attention import attend_full, attend_mixed, prefill_kernel
 from .buffers import FullBuffer, QuantBuffer
 from .rope import Repositioner
 from .settings import CacheSettings
@@ -210,6 +210,11 @@ class SegmentedKVCache(_CacheBase):
             self._awaiting_attend, self._dispatched = False, True  # the dispatch is in place
         k, v = self.full.view()
         if not self._quant_len():
+            return attend_full(queries, k, v, scale, mask)
+        if queries.shape[2] > 1 and prefill_kernel() is not None:
+            # A prefill chunk with a faster kernel installed: dequantising the history once per
+            # layer (O(N)) is cheap next to the chunk's attention over it (O(L*N)).
+            k, v = self.content()
             return attend_full(queries, k, v, scale, mask)
         qk, qv = self.quant.packed()
         s = self.sinks

@@ -344,6 +344,7 @@ class CpuConfig:
     dense_budget_fraction: float = _setting(0.25, _Float(lo=0.0, hi=1.0))
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
     fast_attention: bool = _setting(True, _Bool())
+    numpy_matvec: bool = _setting(True, _Bool())
 
 
 @dataclass

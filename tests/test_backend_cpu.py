@@ -313,9 +313,21 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
         assert fast(x).shape == shape[:-1] + (96,)
     fast.keep_dense()
     assert fast.has_dense and fast.dense_nbytes == 96 * 128 * 4
+    # kept copy: one token goes through numpy's sgemv, reading the same memory; 2+ tokens dense in MLX
+    matvecs = []
+    real_mv = cpu._numpy_matvec
+    monkeypatch.setattr(cpu, "_numpy_matvec", lambda x, w, d: matvecs.append(x.shape) or real_mv(x, w, d))
+    assert fast._fast.dense_np is not None and not fast._fast.dense_np.flags.owndata
     calls.clear()
     x = mx.random.normal((1, 1, 128))
-    assert close(fast(x), layer(x)) and calls  # kept copy: dense for decode too
+    assert close(fast(x), layer(x)) and not calls and matvecs == [(1, 1, 128)]
+    x = mx.random.normal((1, 2, 128))
+    assert close(fast(x), layer(x)) and calls == [(1, 2, 128)] and len(matvecs) == 1
+    off = CpuQuantizedLinear(layer, threshold=16, numpy_matvec=False)
+    off.keep_dense()
+    calls.clear()
+    x = mx.random.normal((1, 1, 128))
+    assert close(off(x), layer(x)) and calls and off._fast.dense_np is None
     fast.drop_dense()
     assert not fast.has_dense
 
@@ -490,7 +502,7 @@ def test_cpu_bench_runs_small(monkeypatch, tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert [r[0] for r in data["rows"]] == [5, 24] and all(r[-1] == "yes" for r in data["rows"])
     assert all(r[1] > 0 and r[2] > 0 and r[4] > 0 and r[5] > 0 for r in data["rows"])
-    assert len(data["meta"]["layers"]["rows"]) == 8 and out_png.stat().st_size > 0
+    assert len(data["meta"]["layers"]["rows"]) == 9 and out_png.stat().st_size > 0
 
 
 def test_bench_generators_agree():

@@ -80,17 +80,29 @@ def test_decode_steps_never_reach_the_kernel():
     assert calls == [(1, 2, 3, 8)]
 
 
-@pytest.mark.parametrize("mode", ["prealloc", "window"])
+MODE_SETTINGS = {
+    "prealloc": CacheSettings(mode="prealloc"),
+    "window": CacheSettings(mode="window", window=256, sinks=4, evict_chunk=64),
+    # quantised history: the kernel gets it dequantised (and re-rotated, for window-quant)
+    "quantized": CacheSettings(mode="quantized", quant_start=64, evict_chunk=64, kv_bits=8),
+    "window-quant": CacheSettings(mode="window-quant", window=64, sinks=4, evict_chunk=64, kv_bits=4,
+                                  max_kv_tokens=256),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODE_SETTINGS))
 def test_model_logits_with_the_kernel_match_mlx_attention(mode):
     model = tiny_llama(layers=2, head_dim=64, kv_heads=2, heads=8)
     tokens = mx.array(np.random.default_rng(0).integers(0, 200, size=(1, 300)))
-    settings = CacheSettings(mode=mode, window=256, sinks=4, evict_chunk=64) if mode == "window" else CacheSettings(mode=mode)
+    settings = MODE_SETTINGS[mode]
 
     def run() -> list[mx.array]:
         caches = make_caches(model, settings)
         outs = []
         for a, b in ((0, 130), (130, 131), (131, 250), (250, 300)):  # prefill chunks and a decode step
             outs.append(model(tokens[:, a:b], cache=caches)[:, -1])
+            if a == 131 and "quant" in mode:  # the next chunk attends over a quantised history
+                assert caches[0].usage().quant_tokens > 0
         mx.eval(outs)
         return outs
 
@@ -114,19 +126,21 @@ def test_install_only_on_the_cpu_backend():
     assert "false" in install_prefill_attention("cpu", enabled=False) and prefill_kernel() is None
 
 
-def test_numpy_blas_is_limited_to_one_thread():
-    import ctypes
-    import glob
-    import os
+def test_the_kernel_runs_numpy_blas_on_one_thread(monkeypatch):
+    from chatapp.backend.numpy_blas import numpy_blas
 
-    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "libscipy_openblas64_*"))
-    if not libs:
-        pytest.skip("this numpy wheel bundles no scipy_openblas64")
-    lib = ctypes.CDLL(libs[0])
-    before = lib.scipy_openblas_get_num_threads64_()
+    blas = numpy_blas()
+    if not blas.found:
+        pytest.skip("this numpy wheel bundles no OpenBLAS")
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(cpu_attention.np, "matmul", lambda *a, **k: seen.append(blas.threads()) or real(*a, **k))
+    before = blas.threads()
+    blas.set_threads(2)
     try:
-        lib.scipy_openblas_set_num_threads64_(2)
-        assert "threads 1" in cpu_attention.limit_numpy_blas_threads(1)
-        assert lib.scipy_openblas_get_num_threads64_() == 1
+        q, k, v = _qkv(1, 4, 2, 8, 40, 16)
+        numpy_prefill_attention(q, k, v, 0.25, "causal")
+        assert seen and set(seen) == {1}
+        assert blas.threads() == 2  # restored afterwards
     finally:
-        lib.scipy_openblas_set_num_threads64_(before)
+        blas.set_threads(before)

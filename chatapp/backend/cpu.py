@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 
@@ -46,6 +47,7 @@ class CpuPlan:
     blas: str | None = None
     dense_prefill_threshold: int = 16
     dense_weights: str = "auto"
+    numpy_matvec: bool = True
     dense_bytes: int = 0  # float32 copies kept in memory
     dense_bytes_wanted: int = 0  # what keeping every layer dense would take
     budget_bytes: int = 0
@@ -64,7 +66,8 @@ class CpuPlan:
             f"cpu fast path: {len(self.layers)} linear + {len(self.embeddings)} embedding layers, "
             f"dense above {self.dense_prefill_threshold} tokens; float32 copies of "
             f"{len(self.dense_layers)}/{len(self.layers) + len(self.embeddings)} layers "
-            f"({self.dense_bytes / gib:.2f} GiB of {self.budget_bytes / gib:.2f} GiB budget); "
+            f"({self.dense_bytes / gib:.2f} GiB of {self.budget_bytes / gib:.2f} GiB budget)"
+            f"{', decode matvecs through numpy' if self.numpy_matvec and self.dense_layers else ''}; "
             f"BLAS {'loaded' if self.blas_loaded else 'NOT loaded (reference BLAS)'}{tail}"
         )
 
@@ -72,15 +75,24 @@ class CpuPlan:
 class _Fast:
     """Per-layer state, kept outside the module's parameter tree (not an mx.array attribute)."""
 
-    __slots__ = ("threshold", "dense")
+    __slots__ = ("threshold", "dense", "dense_np", "numpy_matvec")
 
-    def __init__(self, threshold: int, dense: mx.array | None):
+    def __init__(self, threshold: int, dense: mx.array | None, numpy_matvec: bool = True):
         self.threshold = threshold
         self.dense = dense
+        self.dense_np: np.ndarray | None = None  # a view of ``dense`` (same memory) for numpy's sgemv
+        self.numpy_matvec = numpy_matvec
 
 
 def _tokens(x: mx.array) -> int:
     return math.prod(x.shape[:-1])
+
+
+def _numpy_matvec(x: mx.array, w: np.ndarray, out_dtype: mx.Dtype) -> mx.array:
+    """One token times w[out, in]^T through numpy's sgemv (evaluates ``x`` first)."""
+    xn = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
+    y = mx.array((w @ xn.reshape(-1)).reshape(*x.shape[:-1], w.shape[0]))
+    return y if y.dtype == out_dtype else y.astype(out_dtype)
 
 
 def _dense_matmul(x: mx.array, w: mx.array, out_dtype: mx.Dtype) -> mx.array:
@@ -113,8 +125,11 @@ class _DenseRoute:
         """The dense result, or None when quantized_matmul is the better route."""
         # quantized_matmul returns the promotion of the activation and scale dtypes.
         out_dtype = mx.result_type(x.dtype, self["scales"].dtype)
-        if self._fast.dense is not None:
-            return _dense_matmul(x, self._fast.dense, out_dtype)
+        fast = self._fast
+        if fast.dense is not None:
+            if fast.dense_np is not None and _tokens(x) == 1:
+                return _numpy_matvec(x, fast.dense_np, out_dtype)
+            return _dense_matmul(x, fast.dense, out_dtype)
         if _tokens(x) > self._fast.threshold:
             return _dense_matmul(x, self._dequantized(), out_dtype)
         return None
@@ -128,9 +143,12 @@ class _DenseRoute:
         w = self._dequantized()
         mx.eval(w)
         self._fast.dense = w
+        # numpy reads the same buffer (no copy); the mx.array above keeps it alive
+        self._fast.dense_np = np.asarray(w) if self._fast.numpy_matvec else None
 
     def drop_dense(self) -> None:
         self._fast.dense = None
+        self._fast.dense_np = None
 
     @property
     def has_dense(self) -> bool:
@@ -140,7 +158,7 @@ class _DenseRoute:
 class CpuQuantizedLinear(_DenseRoute, nn.QuantizedLinear):
     """`nn.QuantizedLinear` with the same parameters and a dense-matmul route for the CPU."""
 
-    def __init__(self, src: nn.QuantizedLinear, threshold: int):
+    def __init__(self, src: nn.QuantizedLinear, threshold: int, numpy_matvec: bool = True):
         nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
         self.weight = src["weight"]
@@ -149,7 +167,7 @@ class CpuQuantizedLinear(_DenseRoute, nn.QuantizedLinear):
         if "bias" in src:
             self.bias = src["bias"]
         self.freeze()
-        self._fast = _Fast(threshold, None)
+        self._fast = _Fast(threshold, None, numpy_matvec)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self._project(x)
@@ -163,7 +181,7 @@ class CpuQuantizedLinear(_DenseRoute, nn.QuantizedLinear):
 class CpuQuantizedEmbedding(_DenseRoute, nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose `as_linear` (a tied output head) takes the dense route."""
 
-    def __init__(self, src: nn.QuantizedEmbedding, threshold: int):
+    def __init__(self, src: nn.QuantizedEmbedding, threshold: int, numpy_matvec: bool = True):
         nn.Module.__init__(self)
         self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
         self.num_embeddings, self.dims = src.num_embeddings, src.dims
@@ -171,7 +189,7 @@ class CpuQuantizedEmbedding(_DenseRoute, nn.QuantizedEmbedding):
         self.scales = src["scales"]
         self.biases = src.get("biases")
         self.freeze()
-        self._fast = _Fast(threshold, None)
+        self._fast = _Fast(threshold, None, numpy_matvec)
 
     def __call__(self, x: mx.array) -> mx.array:
         dense = self._fast.dense
@@ -198,6 +216,7 @@ def accelerate_model(
     dense_prefill_threshold: int = 16,
     dense_weights: str = "auto",
     dense_budget_bytes: int | None = None,
+    numpy_matvec: bool = True,
 ) -> CpuPlan:
     """Give a quantised model's matmuls the CPU fast path; a no-op on other backends.
 
@@ -208,7 +227,9 @@ def accelerate_model(
     (decode too); "auto" does so, layer by layer in model order while the copies fit the budget,
     only when an optimised BLAS is loaded (with the reference BLAS a dense matvec is no faster
     than quantized_matmul); "off" never does. dense_budget_bytes defaults to a quarter of the
-    machine's physical memory.
+    machine's physical memory. numpy_matvec: single-token products with a kept float32 copy run
+    through numpy's sgemv, which is ~4x faster than MLX's M=1 sgemm on the same BLAS (measured:
+    1.0 ms against 4.6 ms for a 5632x2048 weight); from 2 tokens on both are equal.
     """
     backend = (backend or "").lower()
     if dense_weights not in DENSE_WEIGHT_MODES:
@@ -218,7 +239,7 @@ def accelerate_model(
     from chatapp.backend.blas import current_blas
 
     plan = CpuPlan(backend=backend, applied=False, reason="", dense_prefill_threshold=dense_prefill_threshold,
-                   dense_weights=dense_weights)
+                   dense_weights=dense_weights, numpy_matvec=numpy_matvec)
     if backend != "cpu":
         plan.reason = f"backend is {backend!r}; the dense fast path is for the 'cpu' backend only"
         return plan
@@ -237,10 +258,10 @@ def accelerate_model(
     replaced = {}
     for name, m in targets:
         if isinstance(m, nn.QuantizedEmbedding):
-            new = CpuQuantizedEmbedding(m, dense_prefill_threshold)
+            new = CpuQuantizedEmbedding(m, dense_prefill_threshold, numpy_matvec)
             plan.embeddings.append(name)
         else:
-            new = CpuQuantizedLinear(m, dense_prefill_threshold)
+            new = CpuQuantizedLinear(m, dense_prefill_threshold, numpy_matvec)
             plan.layers.append(name)
         replaced[name] = new
         plan.dense_bytes_wanted += new.dense_nbytes
@@ -294,3 +315,14 @@ def _set_modules(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
         for part in parents:
             obj = obj[int(part)] if isinstance(obj, (list, tuple)) else obj[part]
         obj[int(leaf) if isinstance(obj, list) else leaf] = new
+
+
+def apply_fast_path(model: nn.Module, *, backend: str, fast_attention: bool = True, **options) -> CpuPlan:
+    """Everything the app does for a model on the CPU backend: `accelerate_model(model, **options)`
+    for the weight products, and the numpy prefill attention kernel (`cpu_attention.py`).
+    A no-op on other backends (and it removes a kernel installed earlier)."""
+    from chatapp.backend.cpu_attention import install_prefill_attention
+
+    plan = accelerate_model(model, backend=backend, **options)
+    plan.attention = install_prefill_attention(backend, fast_attention)
+    return plan

@@ -17,21 +17,18 @@ the layer's queries, keys and values first (one sync per layer), which prefill c
 Scores are formed in float32 per KV head group, in query blocks that keep the score matrix under
 `MAX_SCORE_BYTES`, with the causal mask MLX uses (queries are the last positions).
 
-numpy's products run on numpy's own bundled OpenBLAS. Its thread pool spins after each call and,
-next to MLX's BLAS threads, made prefill up to 4x slower and bimodal on two cores; installing the
-kernel therefore sets numpy's BLAS to one thread (MLX keeps its own BLAS threads for the
-weights, which are the heavy products).
+numpy's products run on numpy's own bundled OpenBLAS, on one thread here: its thread pool next
+to MLX's made prefill up to 4x slower and bimodal on two cores (see numpy_blas.py).
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import os
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+
+from .numpy_blas import numpy_blas
 
 MAX_SCORE_BYTES = 64 * 1024 * 1024
 
@@ -48,6 +45,13 @@ def numpy_prefill_attention(queries: mx.array, keys: mx.array, values: mx.array,
     KVH, N = keys.shape[1], keys.shape[2]
     if H % KVH or N < L:
         return None
+    with numpy_blas().single_threaded():
+        return _attention(queries, keys, values, scale, mask)
+
+
+def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    B, H, L, D = queries.shape
+    KVH, N = keys.shape[1], keys.shape[2]
     G, Dv = H // KVH, values.shape[-1]
     # numpy has no bfloat16, and float32 is the precision the softmax wants anyway.
     q, k, v = (np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32)) for x in (queries, keys, values))
@@ -76,23 +80,6 @@ def numpy_prefill_attention(queries: mx.array, keys: mx.array, values: mx.array,
     return res if queries.dtype == mx.float32 else res.astype(queries.dtype)
 
 
-def limit_numpy_blas_threads(n: int = 1) -> str:
-    """Set the thread count of the OpenBLAS bundled in numpy's wheel; returns what was done."""
-    libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-    for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*")) + glob.glob(os.path.join(libs, "libopenblas*"))):
-        try:
-            lib = ctypes.CDLL(path)  # already loaded by numpy: the same handle
-        except OSError:
-            continue
-        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
-                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
-            fn = getattr(lib, name, None)
-            if fn is not None:
-                fn(ctypes.c_int(n))
-                return f"numpy BLAS threads {n}"
-    return "numpy BLAS threads unchanged (no bundled OpenBLAS found)"
-
-
 def install_prefill_attention(backend: str, enabled: bool = True) -> str:
     """Use the numpy kernel for prefill attention when running on MLX's CPU backend.
 
@@ -106,6 +93,5 @@ def install_prefill_attention(backend: str, enabled: bool = True) -> str:
     if not enabled:
         set_prefill_kernel(None)
         return "prefill attention: MLX SDPA (cpu.fast_attention = false)"
-    threads = limit_numpy_blas_threads(1)
     set_prefill_kernel(numpy_prefill_attention)
-    return f"prefill attention: numpy kernel ({threads}; decode keeps MLX SDPA)"
+    return "prefill attention: numpy kernel (decode keeps MLX SDPA)"

@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threshold", type=int, default=16, help="dense_prefill_threshold (default 16)")
     p.add_argument("--dense-weights", choices=("auto", "on", "off"), default="auto",
                    help="keep float32 copies of the weights (default auto)")
+    p.add_argument("--no-numpy-matvec", action="store_true",
+                   help="decode products through MLX's matmul instead of numpy's sgemv")
     p.add_argument("--layer-dim", type=int, default=4096, help="weight size for the layer table (default 4096)")
     p.add_argument("--no-layer-table", action="store_true", help="skip the per-layer matmul table")
     p.add_argument("--repeats", type=int, default=1,
@@ -155,6 +157,11 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     x512, x1 = mx.random.normal((512, dim)), mx.random.normal((1, dim))
     mx.eval(w, wq, s, b, x512, x1)
+    import numpy as np
+
+    from chatapp.backend.cpu import _numpy_matvec
+
+    wn = np.asarray(w)
 
     def qmm(x, dtype):
         return lambda: mx.quantized_matmul(x.astype(dtype), wq, s.astype(dtype), b.astype(dtype),
@@ -164,8 +171,9 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
         return mx.dequantize(wq, s, b, group_size=64, bits=4, dtype=mx.float32)
 
     rows = [
-        ("dense matmul (float32, BLAS)", 512, lambda: x512 @ w.T, 3),
-        ("dense matvec (float32, BLAS)", 1, lambda: x1 @ w.T, 10),
+        ("dense matmul (float32, MLX matmul)", 512, lambda: x512 @ w.T, 3),
+        ("dense matvec (float32, MLX matmul)", 1, lambda: x1 @ w.T, 10),
+        ("dense matvec (float32, numpy sgemv: decode)", 1, lambda: _numpy_matvec(x1, wn, mx.float32), 10),
         ("4-bit quantized_matmul, float32", 512, qmm(x512, mx.float32), 1),
         ("4-bit quantized_matmul, float32", 1, qmm(x1, mx.float32), 10),
         ("4-bit quantized_matmul, bfloat16", 1, qmm(x1, mx.bfloat16), 3),
@@ -203,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     plain, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
     fast, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
     plan = accelerate_model(fast, backend="cpu", dense_prefill_threshold=args.threshold,
-                            dense_weights=args.dense_weights)
+                            dense_weights=args.dense_weights, numpy_matvec=not args.no_numpy_matvec)
     print(f"# {plan.summary()}")
     for w in plan.warnings:
         print(f"# WARNING: {w}")

@@ -23,7 +23,7 @@ Models: a random-weight 4-bit Llama (hidden 1024, 4 layers, 8 KV heads of 128, i
 2816, byte-level tokenizer; the shape of ``chatapp bench turns --random``) and
 ``../shared/models/stories260K-4bit`` when present (its trained context is 512 tokens: the
 longer histories run past it, which changes nothing about the cost measured here). Both get the
-app's CPU fast path (``chatapp.backend.cpu.accelerate_model``). Cache mode: ``--mode``
+app's CPU fast path (``chatapp.backend.cpu.apply_fast_path``). Cache mode: ``--mode``
 (default prealloc, which keeps every token, so the re-prefill cost is the whole history).
 """
 
@@ -89,10 +89,10 @@ def _load(name: str, args) -> tuple[Any, Any, Any, str]:
 def _fast_path(model, args) -> str:
     if args.no_fast_path:
         return "off (--no-fast-path)"
-    from chatapp.backend.cpu import accelerate_model
+    from chatapp.backend.cpu import apply_fast_path
     from chatapp.engine.device import pick_backend
 
-    return accelerate_model(model, backend=pick_backend().name).summary()
+    return apply_fast_path(model, backend=pick_backend().name).summary()
 
 
 def _history(session, length: int):

@@ -18,8 +18,8 @@ kind runs first.
 Models: ``--model`` (default ``../shared/models/stories260K-4bit``), or ``--random``: a
 random-weight 4-bit Llama (hidden 1024, 4 layers, 8 heads of 128, intermediate 2816, byte-level
 tokenizer, vocab 258) where the prefill cost is visible. By default the model gets the app's
-CPU fast path (``chatapp.backend.cpu.accelerate_model``, ``dense_weights=auto``), as the
-``[cpu]`` config does; without it, 4-bit prefill runs through ``quantized_matmul`` at ~15
+CPU fast path (``chatapp.backend.cpu.apply_fast_path``: ``accelerate_model`` with
+``dense_weights=auto`` and the numpy prefill attention kernel), as the ``[cpu]`` config does; without it, 4-bit prefill runs through ``quantized_matmul`` at ~15
 tokens/s on this CPU for the random model, and a 20-turn stateless run would take an hour.
 """
 
@@ -96,15 +96,11 @@ def load(args) -> tuple[Any, Any, str]:
 def fast_path(model, args) -> str:
     if args.no_fast_path:
         return "off (--no-fast-path)"
-    from chatapp.backend.cpu import accelerate_model
+    from chatapp.backend.cpu import apply_fast_path
     from chatapp.engine.device import pick_backend
 
-    from chatapp.backend.cpu_attention import install_prefill_attention
-
-    backend = pick_backend().name
-    plan = accelerate_model(model, backend=backend, dense_weights=args.dense_weights)
-    plan.attention = install_prefill_attention(backend, enabled=not args.mlx_attention)
-    return plan.summary()
+    return apply_fast_path(model, backend=pick_backend().name, fast_attention=not args.mlx_attention,
+                           dense_weights=args.dense_weights).summary()
 
 
 def _finish(events, stop_after_first=None) -> tuple[Any, int | None]:

@@ -22,16 +22,14 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         loaded = load_model(config.model.id, progress=progress, dtype=config.model.dtype)
     except ModelLoadError as e:
         raise SetupError(str(e)) from None
-    from chatapp.backend.cpu import accelerate_model, physical_memory_bytes
-    from chatapp.backend.cpu_attention import install_prefill_attention
+    from chatapp.backend.cpu import apply_fast_path, physical_memory_bytes
 
     cpu = config.cpu
-    backend = pick_backend().name
-    loaded.cpu_plan = accelerate_model(
-        loaded.model, backend=backend, dense_prefill_threshold=cpu.dense_prefill_threshold,
-        dense_weights=cpu.dense_weights, dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction),
+    loaded.cpu_plan = apply_fast_path(
+        loaded.model, backend=pick_backend().name, fast_attention=cpu.fast_attention,
+        dense_prefill_threshold=cpu.dense_prefill_threshold, dense_weights=cpu.dense_weights,
+        dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
     )
-    loaded.cpu_plan.attention = install_prefill_attention(backend, cpu.fast_attention)
     return loaded
 
 
