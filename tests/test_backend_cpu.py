@@ -314,6 +314,8 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     fast.keep_dense()
     assert fast.has_dense and fast.dense_nbytes == 96 * 128 * 4
     # kept copy: one token goes through numpy's sgemv, reading the same memory; 2+ tokens dense in MLX
+    monkeypatch.setattr(cpu, "NUMPY_MATVEC_MIN_ELEMENTS", 96 * 128)
+    fast.keep_dense()
     matvecs = []
     real_mv = cpu._numpy_matvec
     monkeypatch.setattr(cpu, "_numpy_matvec", lambda x, w, d: matvecs.append(x.shape) or real_mv(x, w, d))
@@ -328,6 +330,10 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     calls.clear()
     x = mx.random.normal((1, 1, 128))
     assert close(off(x), layer(x)) and calls and off._fast.dense_np is None
+    monkeypatch.setattr(cpu, "NUMPY_MATVEC_MIN_ELEMENTS", 96 * 128 + 1)  # too small to repay the sync
+    small = CpuQuantizedLinear(layer, threshold=16)
+    small.keep_dense()
+    assert small.has_dense and small._fast.dense_np is None
     fast.drop_dense()
     assert not fast.has_dense
 

@@ -41,7 +41,7 @@ def test_turns_bench_smoke(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(turns_bench, "RANDOM_SHAPE", TINY_SHAPE)
     js, png = outputs(tmp_path, "turns")
-    args = parse("turns", ["--random", "--turns", "3", "--max-tokens", "3", "--repeats", "2",
+    args = parse("turns", ["--random", "--turns", "3", "--max-tokens", "3", "--repeats", "2", "--pause", "0.01",
                            "--json", str(js), "--plot", str(png)])
     assert turns_bench.run(args) == 0
     data = check_files(js, png)
@@ -52,7 +52,11 @@ def test_turns_bench_smoke(tmp_path, monkeypatch, capsys):
     assert data["rows"][0][2] == 0  # nothing to reuse on the first turn
     assert all(r[2] > 0 for r in data["rows"][1:])  # later turns reuse the cache
     assert all(r[3] > 0 and r[4] > 0 for r in data["rows"])
-    assert data["meta"]["same_prompt_tokens"] is True
+    assert data["meta"]["same_prompt_tokens"] is True and data["meta"]["pause_s"] == 0.01
+    # every turn reuses the previous reply as well, not just the previous prompt (the random model
+    # writes ASCII, whose text encodes back to the generated ids)
+    runs = data["meta"]["runs"][0]
+    assert all(b["reused"] > a["prompt_tokens"] for a, b in zip(runs, runs[1:]))
     assert len(data["meta"]["runs"]) == 2
     assert isinstance(data["meta"]["target"]["passed"], bool)
     out = capsys.readouterr().out

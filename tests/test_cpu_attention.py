@@ -50,6 +50,17 @@ def test_query_blocks_give_the_same_result(monkeypatch):
     assert whole.shape == (1, 8, 100, 32)
 
 
+@pytest.mark.parametrize("size", [0.01, 1.0, 30.0, 300.0])
+def test_large_and_small_scores_stay_exact(size):
+    # beyond +-80 the kernel subtracts each row's max before exp; below it, it does not need to
+    q, k, v = _qkv(1, 4, 2, 16, 200, 16, seed=3)
+    q = q * size
+    got = numpy_prefill_attention(q, k, v, 1.0, "causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=causal_mask(16, 200))
+    assert not mx.isnan(got).any().item()
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
 def test_half_precision_inputs_and_strided_cache_views():
     q, k, v = _qkv(1, 4, 2, 12, 64, 32, dtype=mx.bfloat16)
     kb = mx.concatenate([k, mx.zeros_like(k)], axis=2)  # a buffer with spare capacity, as caches hold

@@ -142,7 +142,10 @@ def single_process(flags: list[str], lines: list[str], env: dict, monkeypatch):
     from chatapp.engine.setup import load_engine, session_from_config
 
     monkeypatch.setenv("CHATAPP_CONFIG_DIR", env["CHATAPP_CONFIG_DIR"])
-    overrides = {_OVERRIDES[k]: v for k, v in zip(flags[::2], flags[1::2]) if k in _OVERRIDES}
+    pairs = [f for f in flags if f != "--ignore-eos"]
+    overrides = {_OVERRIDES[k]: v for k, v in zip(pairs[::2], pairs[1::2]) if k in _OVERRIDES}
+    if "--ignore-eos" in flags:
+        overrides["sampling.ignore_eos"] = True
     config = load_config(None, overrides)
     session = session_from_config(config, load_engine(config))
     replies, stats = [], []
@@ -402,8 +405,9 @@ def test_pipeline_two_ranks_match_single_process_then_ctrl_c_cancels_on_both(mod
 
 
 def _long_second_turn(models, env, monkeypatch):
-    """Lines whose second reply runs long (checked: no EOS or stop in its first 200 tokens)."""
-    flags = _flags(models["kv4"], "prealloc", max_tokens=6)
+    """Lines whose second reply runs long (no EOS with --ignore-eos; checked: no stop string in
+    its first 200 tokens)."""
+    flags = _flags(models["kv4"], "prealloc", max_tokens=6, extra=("--ignore-eos",))
     lines = ["Once upon a time", "/set max_tokens=200", "Tell me more"]
     replies, stats, _ = single_process(flags, lines, env, monkeypatch)
     assert stats[1].finish == "length"

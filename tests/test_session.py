@@ -218,3 +218,31 @@ def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):
     assert done.text.startswith(ended.text) and len(done.text) > len(ended.text)
     assert "<s>" not in done.text and "</s>" not in done.text
     assert any(e.token in s.eos_ids for e in events if isinstance(e, TokenEvent))
+
+
+def test_replies_without_a_leading_space_are_reused_next_turn():
+    """A byte-level model's reply starts with whatever byte it picked (no SentencePiece "▁"):
+    the transcript renders it exactly as generated, so the next turn prefills only its own text."""
+    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+
+    tok = byte_tokenizer()
+    ascii_only = tuple(i for i in range(256) if not tok.decode([i]).isascii())
+    shape = LlamaShape(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=32, intermediate_size=128, vocab_size=258)
+    model, _ = build_random_llama(shape, seed=1, silent_tokens=ascii_only)
+    s = Session(model, tok, generation=GenerationSettings(temp=0.0, max_tokens=12))
+    done = run(s.send("Hi there."))
+    assert done.text and not done.text[0].isspace()  # the case this is about
+    for q in ("And then?", "Why?"):
+        before = len(s.cached)
+        nxt = run(s.send(q))
+        assert nxt.stats.reused_tokens >= before - 1  # at most the stop-string tokens differ
+        fresh = fresh_reply(model, tok, _without_last(s.conversation),
+                            generation=GenerationSettings(temp=0.0, max_tokens=12))
+        assert fresh.text == nxt.text
+
+
+def _without_last(conv: Conversation) -> Conversation:
+    c = conv.copy()
+    c.messages.pop()
+    return c

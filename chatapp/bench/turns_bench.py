@@ -15,9 +15,17 @@ other, alternating which goes first; the whole conversation runs ``--repeats`` t
 reuse session each time) and the table shows per-turn medians. One untimed warm-up turn of each
 kind runs first.
 
+Before each measured turn the bench waits ``--pause`` seconds (0.2), as a user typing would.
+Without it, a turn starts within microseconds of the previous reply's last decode step, while the
+BLAS worker threads of that decode (numpy's, for the decode matvecs, or MLX's OpenBLAS) still
+spin-wait for work (OpenBLAS keeps them busy ~0.1 s); the next prefill's BLAS threads then fight
+them for the two cores, and on the random model turn 1's TTFT swung between 80 and 240 ms for the
+same work. Both paths get the same pause.
+
 Models: ``--model`` (default ``../shared/models/stories260K-4bit``), or ``--random``: a
 random-weight 4-bit Llama (hidden 1024, 4 layers, 8 heads of 128, intermediate 2816, byte-level
-tokenizer, vocab 258) where the prefill cost is visible. By default the model gets the app's
+tokenizer, vocab 258, output rows of the non-ASCII bytes zeroed so that it writes ASCII) where the
+prefill cost is visible. By default the model gets the app's
 CPU fast path (``chatapp.backend.cpu.apply_fast_path``: ``accelerate_model`` with
 ``dense_weights=auto`` and the numpy prefill attention kernel), as the ``[cpu]`` config does; without it, 4-bit prefill runs through ``quantized_matmul`` at ~15
 tokens/s on this CPU for the random model, and a 20-turn stateless run would take an hour.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-fast-path", action="store_true", help="do not apply the CPU fast path")
     p.add_argument("--mlx-attention", action="store_true",
                    help="CPU fast path without its numpy prefill attention (MLX SDPA throughout)")
+    p.add_argument("--pause", type=float, default=0.2,
+                   help="seconds to wait before each measured turn, as a user typing would (default 0.2)")
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -83,10 +94,16 @@ def load(args) -> tuple[Any, Any, str]:
     if args.random:
         from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
-        model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed, quantize_bits=4)
+        tokenizer = byte_tokenizer()
+        # Random weights emit random bytes, mostly invalid UTF-8, which no text can carry back to
+        # the same ids; silencing the non-ASCII bytes makes the model write (meaningless) ASCII,
+        # so its replies round-trip through the transcript as a real model's text does.
+        non_ascii = tuple(i for i in range(256) if not tokenizer.decode([i]).isascii())
+        model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed, quantize_bits=4,
+                                      silent_tokens=non_ascii)
         desc = ("random 4-bit Llama: hidden 1024, 4 layers, 8 heads (8 KV heads) of 128, intermediate 2816, "
-                "byte tokenizer (vocab 258)")
-        return model, byte_tokenizer(), desc
+                "byte tokenizer (vocab 258), non-ASCII bytes silenced")
+        return model, tokenizer, desc
     from chatapp.engine.loader import load_model
 
     lm = load_model(args.model)
@@ -137,12 +154,15 @@ def run_conversation(model, tokenizer, args, messages: list[str], first_stateles
             fresh.conversation.add("user", msg)
             return _finish(fresh.reply(), stop_after_first=fresh)
 
-        if (i % 2 == 0) == first_stateless_on_even:
-            sl, sl_first = stateless()
-            ru, ru_first = _finish(session.send(msg))
-        else:
-            ru, ru_first = _finish(session.send(msg))
-            sl, sl_first = stateless()
+        def reuse():
+            return _finish(session.send(msg))
+
+        first, second = (stateless, reuse) if (i % 2 == 0) == first_stateless_on_even else (reuse, stateless)
+        results = {}
+        for fn in (first, second):
+            time.sleep(args.pause)  # a user's think time: BLAS threads from the last reply go idle
+            results[fn] = fn()
+        (sl, sl_first), (ru, ru_first) = results[stateless], results[reuse]
         rs, ss = ru.stats, sl.stats
         rows.append(dict(turn=i + 1, prompt_tokens=rs.prompt_tokens, stateless_prompt_tokens=ss.prompt_tokens,
                          reused=rs.reused_tokens, prefilled=rs.prefill_tokens, ttft_reuse=rs.ttft,
@@ -202,8 +222,10 @@ def run(args) -> int:
                          f"(stateless: {med[-1][1]:.2f} ms / {med[0][1]:.2f} ms = {med[-1][1] / med[0][1]:.2f}x)")
     rep.meta.update(
         model=desc, fast_path=fp, mode=args.mode, max_tokens=args.max_tokens, repeats=args.repeats,
+        pause_s=args.pause,
         method="reuse = one Session for all turns; stateless = a fresh Session per turn given the conversation "
-               "so far (same prompt tokens), cancelled after its first token; TTFT = TurnStats.ttft; medians over repeats",
+               "so far (same prompt tokens), cancelled after its first token; TTFT = TurnStats.ttft; medians over repeats; "
+               "each measured turn starts after --pause seconds",
         replies_identical_across_repeats=consistent, same_prompt_tokens=same_prompts,
         first_token_agreement=f"{agree}/{args.turns} turns (reuse vs stateless, first repeat)",
         blas=f"{blas.name}" if blas.loaded else "reference",

@@ -12,9 +12,10 @@ Three formats:
       Assistant:                   (the generation prompt)
 
   Generation stops when the model starts a new "\nUser:" line. A reply is shown and stored
-  stripped, but the model saw it as generated (a byte-level model's first token carries no
-  leading space; a SentencePiece one's does): the session keeps that text (``Message.raw``) and
-  renders it, so the next turn's tokens match the cache and the reply is not prefilled again.
+  stripped, but the model saw it as generated (a SentencePiece model's first token carries a
+  leading space, a byte-level model's may not): when " " + reply would tokenise differently from
+  what the model produced, the session keeps the text that does not (``Message.raw``) and renders
+  it, so the next turn's tokens match the cache and the reply is not prefilled again.
 - ``raw`` (``--raw``): no template at all; messages are concatenated as they are, so the model
   simply continues the text.
 """
@@ -34,7 +35,7 @@ class Message:
     role: Role
     content: str
     interrupted: bool = False  # a reply cut short by cancel; kept as generated
-    raw: str | None = None  # plain/raw formats: the reply exactly as generated, when content is stripped
+    raw: str | None = None  # plain/raw formats: the reply exactly as generated (content may be stripped)
 
     def as_template_dict(self) -> dict[str, str]:
         return {"role": self.role, "content": self.content}
@@ -49,7 +50,7 @@ class Conversation:
         return cls([Message("system", system)] if system else [])
 
     def add(self, role: Role, content: str, interrupted: bool = False, raw: str | None = None) -> Message:
-        msg = Message(role, content, interrupted, raw if raw != content else None)
+        msg = Message(role, content, interrupted, raw)
         self.messages.append(msg)
         return msg
 

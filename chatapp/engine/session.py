@@ -227,11 +227,7 @@ class Session:
 
     def _reuse(self, prompt: list[int]) -> int:
         """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
-        common = 0
-        for a, b in zip(self.cached, prompt):
-            if a != b:
-                break
-            common += 1
+        common = self._common_prefix(prompt)
         if common == len(prompt):
             common -= 1  # the last prompt token must run again to give the next token's logits
         evicted = self.caches[0].evicted
@@ -350,13 +346,42 @@ class Session:
         # A cancelled reply is kept, marked interrupted: the cache holds its tokens, so the
         # conversation and the cache agree and the next turn reuses them.
         if text or not interrupted:
-            self.conversation.add("assistant", text, interrupted=interrupted, raw=raw)
+            self.conversation.add("assistant", text, interrupted=interrupted)
+            if raw is not None and self.format.fmt != "template":
+                self.conversation.messages[-1].raw = self._as_generated(raw)
         switch = self._apply_policy(len(self.cached))
         if switch:
             stats.notices.append(switch.line())
         stats.peak_memory = mx.get_peak_memory()
         stats.cache = self.cache_view()
         self.history.append(stats)
+
+    def _as_generated(self, raw: str) -> str | None:
+        """The rendering of the reply just added that re-tokenises into what the cache holds.
+
+        Streaming detokenisers drop the leading space of a reply's first token (SentencePiece's
+        "▁", a byte-level BPE's "Ġ"); a byte-level model's reply may have none. Of the decoded
+        text and the text with that space restored, keep the one whose transcript shares the
+        longer prefix with the cached tokens (None: the default rendering does as well), so the
+        next turn prefills none of the reply again. Costs two tokenisations, after the reply.
+        """
+        msg = self.conversation.messages[-1]
+        best, best_common = None, self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
+        for candidate in dict.fromkeys((raw, " " + raw)):
+            msg.raw = candidate
+            common = self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
+            if common > best_common:
+                best, best_common = candidate, common
+        msg.raw = best
+        return best
+
+    def _common_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.cached, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
 
     # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
     def cache_consistent(self) -> bool:

@@ -38,11 +38,15 @@ def build_random_llama(
     dtype: mx.Dtype = mx.float32,
     quantize_bits: int | None = None,
     group_size: int = 64,
+    silent_tokens: tuple[int, ...] = (),
 ) -> tuple[llama.Model, dict]:
     """Build an mlx-lm Llama with random weights; optionally quantise its linear layers.
 
     Weights are scaled so activations stay in a sane range over several layers, which keeps
     logits comparisons meaningful (pure N(0,1) weights saturate the softmax).
+    ``silent_tokens`` get all-zero output rows (logit 0 whatever the input), so greedy decoding
+    practically never picks them: with the byte tokenizer, silencing bytes 128-255 makes the
+    model write ASCII, which decodes to text that encodes back to the same ids.
     """
     shape = shape or LlamaShape()
     config = shape.config()
@@ -56,6 +60,9 @@ def build_random_llama(
             fan_in = p.shape[-1]
             std = 1.0 if "embed_tokens" in name else fan_in**-0.5
             params.append((name, (mx.random.normal(p.shape) * std).astype(dtype)))
+    if silent_tokens:
+        rows = mx.array(sorted(set(silent_tokens)))
+        params = [(n, _zero_rows(p, rows)) if n == "lm_head.weight" else (n, p) for n, p in params]
     model.load_weights(params)
     if quantize_bits:
         nn.quantize(
@@ -69,6 +76,12 @@ def build_random_llama(
     mx.eval(model.parameters())
     model.eval()
     return model, config
+
+
+def _zero_rows(w: mx.array, rows: mx.array) -> mx.array:
+    keep = mx.ones((w.shape[0], 1), dtype=w.dtype)
+    keep[rows] = 0
+    return w * keep
 
 
 def _flat(tree, prefix=""):

@@ -376,7 +376,8 @@ class PersistentChat:
                 path, caches=s.caches, tokens=s.cached, settings=s.settings, requested_mode=s.requested_mode,
                 model_id=self.identity.model_id, weights_fingerprint=self.identity.weights_fingerprint,
                 messages=key[2], transcript_sha256=key[3], prompt_format=s.format.fmt,
-                conversation_id=self.conversation_id)
+                conversation_id=self.conversation_id,
+                renderings=[m.raw for m in s.conversation.messages[: key[2]]])
         except SnapshotWriteError as e:
             self._snapshot_failed = True
             self._note("error", f"could not save the KV snapshot to {path} ({e}): resuming will re-prefill; "
@@ -449,6 +450,11 @@ class PersistentChat:
                 f"it was made with the {snap.prompt_format} prompt format, this chat uses {s.format.fmt}")
         if snap.messages > len(messages):
             raise SnapshotError(f"it covers {snap.messages} messages, the transcript has only {len(messages)}")
+        # Replies as the model saw them (Message.raw) are kept in the snapshot, not the database;
+        # one is only used for the message it was made from.
+        for m, raw in zip(messages, snap.renderings):
+            if raw is not None and m.role == "assistant" and raw.strip() == m.content.strip():
+                m.raw = raw
         if transcript_hash(s, messages[: snap.messages]) != snap.transcript_sha256:
             raise SnapshotError("the transcript renders to other tokens than the ones it holds")
         try:

@@ -90,6 +90,7 @@ class Snapshot:
     prompt_format: str
     conversation_id: int
     created: float
+    renderings: list  # per covered message: the text the model saw when it differs from content (Message.raw)
     states: list[list[mx.array]] = field(repr=False)
     metas: list[tuple] = field(repr=False)
     nbytes: int = 0
@@ -97,7 +98,8 @@ class Snapshot:
 
 def save_snapshot(path: str | Path, *, caches: list, tokens: list[int], settings: CacheSettings,
                   requested_mode: str, model_id: str, weights_fingerprint: str, messages: int,
-                  transcript_sha256: str, prompt_format: str, conversation_id: int) -> int:
+                  transcript_sha256: str, prompt_format: str, conversation_id: int,
+                  renderings: list | None = None) -> int:
     """Write a snapshot atomically; returns its size in bytes. Raises SnapshotWriteError."""
     path = Path(path)
     arrays: dict[str, mx.array] = {"tokens": mx.array(list(tokens), dtype=mx.int32)}
@@ -124,6 +126,7 @@ def save_snapshot(path: str | Path, *, caches: list, tokens: list[int], settings
         "tokens_sha256": token_hash(tokens),
         "messages": str(int(messages)),
         "transcript_sha256": transcript_sha256,
+        "renderings": json.dumps(list(renderings or [])),
         "prompt_format": prompt_format,
         "conversation_id": str(int(conversation_id)),
         "created": repr(time.time()),
@@ -199,6 +202,9 @@ def read_snapshot(path: str | Path) -> Snapshot:
         n_tokens = int(_meta(md, "n_tokens"))
         messages = int(_meta(md, "messages"))
         conversation_id = int(_meta(md, "conversation_id"))
+        renderings = json.loads(md.get("renderings", "[]"))
+        if not isinstance(renderings, list) or not all(r is None or isinstance(r, str) for r in renderings):
+            raise ValueError("renderings is not a list of strings")
         created = float(md.get("created", "0"))
     except (ValueError, TypeError) as e:  # CacheConfigError is a ValueError
         raise SnapshotError(f"its metadata is damaged ({_reason(e)})") from None
@@ -223,6 +229,7 @@ def read_snapshot(path: str | Path) -> Snapshot:
         settings=settings, requested_mode=md.get("requested_mode", settings.mode), tokens=tokens,
         messages=messages, transcript_sha256=md.get("transcript_sha256", ""),
         prompt_format=md.get("prompt_format", ""), conversation_id=conversation_id, created=created,
+        renderings=renderings,
         states=states, metas=metas, nbytes=path.stat().st_size,
     )
 
