@@ -376,7 +376,9 @@ def test_sigint_then_sigterm_during_replies(stories_path, tmp_path):
 def test_sigkill_mid_reply_keeps_completed_messages_and_resume_works(stories_path, base, tmp_path):
     data = copy_base(base, tmp_path)
     before = messages(data)
-    r = Chatapp(chat_args(stories_path, "--resume", "--max-tokens", "3000", "-p", STORY), make_env(tmp_path, data))
+    # --ignore-eos: the reply must still be running when it is killed, however fast this machine is
+    r = Chatapp(chat_args(stories_path, "--resume", "--max-tokens", "3000", "--ignore-eos", "-p", STORY),
+                make_env(tmp_path, data))
     r.wait_for(lambda: len(r.out) > 200, what="the reply")
     time.sleep(PARTIAL_SECONDS + 0.3)  # at least one in-progress write after the first
     shown = r.stdout
