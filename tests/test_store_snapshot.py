@@ -116,20 +116,14 @@ def test_restore_refuses_state_that_does_not_fit():
 
 
 def test_snapshot_metadata_is_strings_and_complete(tmp_path):
-    model = tiny_llama(layers=2)
-    settings = CacheSettings(mode="prealloc")
-    caches = make_caches(model, settings)
-    toks = ids(50)
-    fill(model, caches, toks, prefill=50)
-    path = tmp_path / "s.safetensors"
-    save(path, caches, toks, settings)
+    path, _, toks, _ = _saved(tmp_path)
     arrays, md = mx.load(str(path), return_metadata=True)
     assert md["format"] == "chatapp-kv-snapshot" and md["version"] == "1"
     assert md["tokens_sha256"] == token_hash(toks) and md["model_id"] == "tiny"
     assert json.loads(md["cache_settings"])["mode"] == "prealloc"
     assert set(arrays) == {"tokens", "layer.0.0", "layer.0.1", "layer.1.0", "layer.1.1"}
     assert arrays["tokens"].tolist() == toks
-    assert not [p for p in tmp_path.iterdir() if p.name != "s.safetensors"]  # no temporary file left
+    assert not [p for p in tmp_path.iterdir() if p.name != path.name]  # no temporary file left
 
 
 def _saved(tmp_path):

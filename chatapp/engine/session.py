@@ -348,7 +348,7 @@ class Session:
         if text or not interrupted:
             self.conversation.add("assistant", text, interrupted=interrupted)
             if raw is not None and self.format.fmt != "template":
-                self.conversation.messages[-1].raw = self._as_generated(raw)
+                self._render_as_generated(raw)
         switch = self._apply_policy(len(self.cached))
         if switch:
             stats.notices.append(switch.line())
@@ -356,24 +356,29 @@ class Session:
         stats.cache = self.cache_view()
         self.history.append(stats)
 
-    def _as_generated(self, raw: str) -> str | None:
-        """The rendering of the reply just added that re-tokenises into what the cache holds.
+    def _render_as_generated(self, raw: str) -> None:
+        """Set ``raw`` on the reply just added so that the transcript re-tokenises into what the
+        cache holds.
 
         Streaming detokenisers drop the leading space of a reply's first token (SentencePiece's
-        "▁", a byte-level BPE's "Ġ"); a byte-level model's reply may have none. Of the decoded
-        text and the text with that space restored, keep the one whose transcript shares the
-        longer prefix with the cached tokens (None: the default rendering does as well), so the
-        next turn prefills none of the reply again. Costs two tokenisations, after the reply.
+        "▁", a byte-level BPE's "Ġ"); a byte-level model's reply may have none. Of the default
+        rendering (None), the decoded text and the text with that space restored, keep the first
+        whose transcript shares the longest prefix with the cached tokens, so the next turn
+        prefills none of the reply again. Candidates that render to the same text are tokenised
+        once (usually two tokenisations in all, after the reply).
         """
         msg = self.conversation.messages[-1]
-        best, best_common = None, self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
-        for candidate in dict.fromkeys((raw, " " + raw)):
+        best, best_common, tried = None, -1, set()
+        for candidate in (None, raw, " " + raw):
             msg.raw = candidate
+            text = self.format.text(self.conversation, generation_prompt=False)
+            if text in tried:
+                continue
+            tried.add(text)
             common = self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
             if common > best_common:
                 best, best_common = candidate, common
         msg.raw = best
-        return best
 
     def _common_prefix(self, tokens: list[int]) -> int:
         n = 0
