@@ -3,7 +3,7 @@
 One cache object per layer speaking mlx-lm's cache protocol, in five modes (see settings.py).
 """
 
-from .attention import install_attention, set_prefill_kernel
+from .attention import install_attention, set_decode_kernels, set_prefill_kernel
 from .convert import Conversion, convert_caches
 from .factory import ModelGeometry, check_settings, make_caches, model_geometry
 from .kv import (
@@ -22,5 +22,5 @@ __all__ = [
     "CACHE_CLASSES", "MODES", "CacheConfigError", "CacheSettings", "CacheUsage", "ConcatKVCache",
     "Conversion", "ModelGeometry", "PreallocKVCache", "QuantizedKVCache", "SegmentedKVCache",
     "WindowKVCache", "WindowQuantKVCache", "check_settings", "convert_caches", "install_attention",
-    "make_caches", "model_geometry", "set_prefill_kernel", "total_usage",
+    "make_caches", "model_geometry", "set_decode_kernels", "set_prefill_kernel", "total_usage",
 ]

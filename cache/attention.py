@@ -28,6 +28,15 @@ _WRAPPED_FLAG = "_chatapp_dispatch"
 _prefill_kernel: Callable[..., mx.array | None] | None = None
 
 
+# Kernels for a single query (a decode step), which a backend may install for the same reason:
+# ``decode(queries, keys, values, scale, mask)`` over full-precision keys, and
+# ``decode_mixed(queries, parts, scale, mask, bits, group_size, quant_queries)`` over the parts
+# ``attend_mixed`` takes (quantised ones read as they are, never dequantised). Each may return
+# None for a call it does not handle; MLX then serves.
+_decode_kernel: Callable[..., mx.array | None] | None = None
+_decode_mixed_kernel: Callable[..., mx.array | None] | None = None
+
+
 def set_prefill_kernel(kernel: Callable[..., mx.array | None] | None):
     """Install (or with None remove) the multi-query attention kernel; returns the previous one."""
     global _prefill_kernel
@@ -39,11 +48,24 @@ def prefill_kernel() -> Callable[..., mx.array | None] | None:
     return _prefill_kernel
 
 
+def set_decode_kernels(full: Callable[..., mx.array | None] | None,
+                       mixed: Callable[..., mx.array | None] | None) -> tuple:
+    """Install (or with None remove) the single-query kernels; returns the previous pair."""
+    global _decode_kernel, _decode_mixed_kernel
+    previous = (_decode_kernel, _decode_mixed_kernel)
+    _decode_kernel, _decode_mixed_kernel = full, mixed
+    return previous
+
+
+def decode_kernels() -> tuple:
+    return _decode_kernel, _decode_mixed_kernel
+
+
 def attend_full(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-    """Attention over full-precision keys: the installed prefill kernel for several queries,
-    else the fused SDPA (decode steps always take the fused path)."""
-    kernel = _prefill_kernel
-    if kernel is not None and queries.shape[2] > 1:
+    """Attention over full-precision keys: the installed prefill kernel for several queries or
+    decode kernel for one, else the fused SDPA."""
+    kernel = _prefill_kernel if queries.shape[2] > 1 else _decode_kernel
+    if kernel is not None:
         out = kernel(queries, keys, values, scale, mask)
         if out is not None:
             return out
@@ -72,6 +94,10 @@ def attend_mixed(
     keys carry a rotation offset, see kv.py); the full parts use ``queries``.
     """
     B, n_q, L, D = queries.shape
+    if L == 1 and _decode_mixed_kernel is not None:
+        out = _decode_mixed_kernel(queries, parts, scale, mask, bits, group_size, quant_queries)
+        if out is not None:
+            return out
     out_dtype = queries.dtype
     if out_dtype != mx.float32 and mx.default_device() == mx.cpu:
         # MLX's CPU quantized_matmul is ~7x slower with half-precision activations.

@@ -41,6 +41,8 @@ FLAG_KEYS = {
     "long_after": "cache.long_after",
     "blas": "cpu.blas",
     "dense_weights": "cpu.dense_weights",
+    "kernels": "cpu.kernels",
+    "threads": "cpu.threads",
     "data_dir": "data.dir",
 }
 
@@ -90,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     x = p.add_argument_group("CPU backend")
     x.add_argument("--blas", help="auto, off, or a path to a BLAS library exporting cblas_*")
     x.add_argument("--dense-weights", choices=["auto", "on", "off"])
+    x.add_argument("--kernels", choices=["auto", "off"], help="chatapp's CPU kernels on the packed weights (default auto)")
+    x.add_argument("--threads", type=int, help="kernel threads (0: one per core)")
     p.add_argument("--data-dir", help="where conversations and snapshots are stored")
     p.add_argument("--resume", nargs="?", const="latest", metavar="ID",
                    help="continue a saved conversation (the latest when no ID): see `chatapp sessions list`")

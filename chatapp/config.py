@@ -340,6 +340,9 @@ class CpuConfig:
     """``[cpu]``: CPU-only speed-ups."""
 
     blas: str = _setting("auto", _Str(nonempty=True))
+    kernels: str = _setting("auto", _Choice("auto", "off"))
+    threads: int = _setting(0, _Int(minimum=0))
+    kernel_max_tokens: int = _setting(4, _Int(minimum=1))
     dense_weights: str = _setting("auto", _Choice("auto", "on", "off"))
     dense_budget_fraction: float = _setting(0.25, _Float(lo=0.0, hi=1.0))
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from chatapp.backend import blas, cpu
+from chatapp.backend import blas, cpu, qlinear
 from chatapp.backend.blas import BlasInfo, preload_blas, verify_blas
 from chatapp.backend.cpu import CpuQuantizedEmbedding, CpuQuantizedLinear, accelerate_model
 from chatapp.engine.synthetic import LlamaShape, build_random_llama
@@ -301,8 +301,8 @@ def test_parameters_unchanged_and_frozen():
 
 def test_threshold_routes_and_kept_weights(monkeypatch):
     calls = []
-    real = cpu._dense_matmul
-    monkeypatch.setattr(cpu, "_dense_matmul", lambda x, w, d: calls.append(x.shape) or real(x, w, d))
+    real = qlinear._dense_matmul
+    monkeypatch.setattr(qlinear, "_dense_matmul", lambda x, w, d: calls.append(x.shape) or real(x, w, d))
     layer = nn.QuantizedLinear(128, 96, bias=True)
     layer.bias = mx.random.normal((96,))
     fast = CpuQuantizedLinear(layer, threshold=16)
@@ -314,12 +314,12 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     fast.keep_dense()
     assert fast.has_dense and fast.dense_nbytes == 96 * 128 * 4
     # kept copy: one token goes through numpy's sgemv, reading the same memory; 2+ tokens dense in MLX
-    monkeypatch.setattr(cpu, "NUMPY_MATVEC_MIN_ELEMENTS", 96 * 128)
+    monkeypatch.setattr(qlinear, "NUMPY_MIN_ELEMENTS", 96 * 128)
     fast.keep_dense()
     matvecs = []
-    real_mv = cpu._numpy_matvec
-    monkeypatch.setattr(cpu, "_numpy_matvec", lambda x, w, d: matvecs.append(x.shape) or real_mv(x, w, d))
-    assert fast._fast.dense_np is not None and not fast._fast.dense_np.flags.owndata
+    real_mv = qlinear._numpy_matvec
+    monkeypatch.setattr(qlinear, "_numpy_matvec", lambda x, w, d: matvecs.append(x.shape) or real_mv(x, w, d))
+    assert fast._route.dense_np is not None and not fast._route.dense_np.flags.owndata
     calls.clear()
     x = mx.random.normal((1, 1, 128))
     assert close(fast(x), layer(x)) and not calls and matvecs == [(1, 1, 128)]
@@ -329,11 +329,11 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     off.keep_dense()
     calls.clear()
     x = mx.random.normal((1, 1, 128))
-    assert close(off(x), layer(x)) and calls and off._fast.dense_np is None
-    monkeypatch.setattr(cpu, "NUMPY_MATVEC_MIN_ELEMENTS", 96 * 128 + 1)  # too small to repay the sync
+    assert close(off(x), layer(x)) and calls and off._route.dense_np is None
+    monkeypatch.setattr(qlinear, "NUMPY_MIN_ELEMENTS", 96 * 128 + 1)  # too small to repay the sync
     small = CpuQuantizedLinear(layer, threshold=16)
     small.keep_dense()
-    assert small.has_dense and small._fast.dense_np is None
+    assert small.has_dense and small._route.dense_np is None
     fast.drop_dense()
     assert not fast.has_dense
 
@@ -375,7 +375,9 @@ def test_dense_weights_budget(monkeypatch):
     per_q = 256 * 256 * 4
     plan = accelerate_model(model, backend="cpu", dense_weights="auto", dense_budget_bytes=3 * per_q)
     assert plan.budget_bytes == 3 * per_q and 0 < plan.dense_bytes <= 3 * per_q
-    assert 0 < len(plan.dense_layers) < len(plan.layers) and "fit the budget" in plan.reason
+    assert 0 < len(plan.dense_layers) < len(plan.layers)
+    over = [r for r in plan.routes if r.route == "mlx"]
+    assert over and all("over budget" in r.why for r in over)  # the rest stay on MLX, and say why
     assert plan.dense_bytes_wanted > plan.budget_bytes
     kept = {n for n, m in model.named_modules() if isinstance(m, CpuQuantizedLinear) and m.has_dense}
     assert kept == set(plan.dense_layers)
@@ -396,9 +398,9 @@ def test_auto_keeps_no_copies_without_blas(monkeypatch):
     monkeypatch.setattr(blas, "current_blas", lambda: BlasInfo("none", None, False, "not loaded"))
     model = random_model()
     plan = accelerate_model(model, backend="cpu", dense_weights="auto")
-    assert plan.applied and plan.dense_bytes == 0 and "no optimised BLAS" in plan.reason
+    assert plan.applied and plan.dense_bytes == 0
     assert any("reference BLAS" in w for w in plan.warnings)
-    assert "NOT loaded" in plan.summary()
+    assert "MLX's BLAS: bundled reference" in plan.summary()
 
 
 def test_twice_and_bad_arguments():

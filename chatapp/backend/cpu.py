@@ -1,46 +1,53 @@
-"""The CPU fast path: dense float32 matmuls through the BLAS instead of 4-bit `quantized_matmul`.
+"""The CPU fast path: which route each quantised layer's products take on MLX's CPU backend.
 
-On MLX's CPU backend `quantized_matmul` neither uses the BLAS nor batches over tokens: a prompt
-of T tokens costs about T single-token products. A dequantised weight and one dense matmul
-(`x @ w.T`, an sgemm) costs one dequantisation plus a BLAS call that OpenBLAS runs at ~90 GFLOP/s
-on two cores. `accelerate_model` swaps every `nn.QuantizedLinear` / `nn.QuantizedEmbedding` of a
-model for a subclass that picks the faster route per call; the parameters are unchanged (same
-names, same arrays), so weights, saving and `model.parameters()` are unaffected.
+On MLX's CPU backend `quantized_matmul` neither batches over tokens nor runs fast for one
+token (~1.1 G weights/s: 15 ms for a 4096x4096 4-bit product, 6.5 s per token for a 7B model),
+and the wheel's BLAS is the reference one. `accelerate_model` swaps every quantised layer for a
+subclass with the same parameters (qlinear.py) and gives each one a route:
 
-Threshold, measured on this 2-core x86_64 box (2048x2048 4-bit layer, group 64, float32
-activations, best of 5, ms; "deq+dense" dequantises on every call, "kept" reuses a float32 copy):
+- ``kernel`` (the default wherever it applies): numba kernels on the packed 4-/8-bit weights
+  for decode, dequantise-a-block + numpy's bundled OpenBLAS gemm for prefill
+  (`chatapp.kernels`). Weights stay at their quantised size; nothing but `pip install` needed.
+- ``dense``: a float32 copy per layer (8x the 4-bit bytes) through the BLAS; kept when asked
+  for (``dense_weights="on"``), or under ``"auto"`` when the kernels are unavailable and an
+  optimised BLAS is loaded, while the copies fit the budget.
+- ``mlx``: MLX's own products; for what the kernels do not cover (see the plan's reasons).
 
-    tokens        1     2     4     8    16    32    64   (128)
-    qmm         3.7   7.8  15.5  30.9  60.1   121   235    474
-    deq+dense  14.7  14.6  15.3  14.8  11.9  13.0  15.0   20.4   with OpenBLAS
-    kept dense  3.7   4.1   4.7   4.8   4.4   5.5   8.0   13.2   with OpenBLAS
-    deq+dense  11.0  14.7  21.4  36.1  63.5   127   227    459   reference BLAS (no OpenBLAS)
-
-With OpenBLAS, dequantise-then-matmul breaks even with qmm at ~4 tokens and is 5x faster at 16;
-with the reference BLAS it never wins by much (equal at ~64). The default threshold, 16, keeps
-the 1-8 token calls (decode, short speculative batches), where the gain is small and
-shape-dependent, on qmm. With a kept float32 copy the dense route is as fast as or faster than
-qmm for every token count, so it is used for all calls.
+`apply_fast_path` adds the attention kernels: numpy for prefill chunks (cpu_attention.py), the
+numba single-query kernels for decode steps (decode_attention.py).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
+
+from .qlinear import NUMPY_MIN_ELEMENTS, ROUTES, CpuQuantizedEmbedding, CpuQuantizedLinear, _numpy_matvec  # noqa: F401
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
+KERNEL_MODES = ("auto", "off")
+KERNEL_MAX_TOKENS = 4  # packed-weight products up to this many tokens; dequantise + gemm above
 
-# Weights at least this large (out x in) take numpy's sgemv for one token. Each numpy call
-# evaluates its input (a sync, ~20-60 us), which small products cannot repay: per product in a
-# chain of 8, MLX vs numpy took 23 vs 63 us at 512x512, 42 vs 49 us at 768x768 and 366 vs 62 us
-# at 1024x1024 (where OpenBLAS's M=1 sgemm turns slow). stories260K (64 wide) decodes at ~560
-# tokens/s through MLX and ~360 through numpy.
-NUMPY_MATVEC_MIN_ELEMENTS = 1024 * 1024
+
+@dataclass
+class LayerRoute:
+    """One patched layer: where it is, what it holds and which route it takes, and why."""
+
+    name: str
+    route: str
+    why: str
+    bits: int
+    group_size: int
+    shape: tuple[int, int]  # (out, in)
+
+    @property
+    def kind(self) -> str:
+        """The layer's role, from its name: "q_proj", "lm_head", "embed_tokens (tied head)"..."""
+        leaf = self.name.rsplit(".", 1)[-1]
+        return f"{leaf} (tied head)" if leaf == "embed_tokens" else leaf
 
 
 @dataclass
@@ -52,9 +59,12 @@ class CpuPlan:
     reason: str
     blas_loaded: bool = False
     blas: str | None = None
+    kernels: str = ""  # KernelInfo.summary()
+    gemm: str = ""  # the BLAS the kernels' prefill gemms run on
     dense_prefill_threshold: int = 16
     dense_weights: str = "auto"
     numpy_matvec: bool = True
+    kernel_max_tokens: int = KERNEL_MAX_TOKENS
     dense_bytes: int = 0  # float32 copies kept in memory
     dense_bytes_wanted: int = 0  # what keeping every layer dense would take
     budget_bytes: int = 0
@@ -62,153 +72,49 @@ class CpuPlan:
     embeddings: list[str] = field(default_factory=list)  # patched QuantizedEmbedding layers
     dense_layers: list[str] = field(default_factory=list)  # the ones with a kept float32 copy
     numpy_matvec_layers: list[str] = field(default_factory=list)  # of those, 1-token calls via numpy
+    kernel_layers: list[str] = field(default_factory=list)
+    routes: list[LayerRoute] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    attention: str = ""  # set by whoever installs the prefill attention kernel (cpu_attention.py)
+    attention: str = ""  # set by apply_fast_path: the prefill and decode attention routes
+    warm_up_seconds: float = 0.0  # compiling / loading the kernels the plan uses
+
+    def route_lines(self) -> list[str]:
+        """One line per kind of layer and route: "q_proj x32: kernel (4-bit, group 64)"."""
+        groups: dict[tuple, list[LayerRoute]] = {}
+        for r in self.routes:
+            detail = f"{r.bits}-bit, group {r.group_size}"
+            key = (r.kind, r.route, detail if r.route != "mlx" or not r.why else f"{detail}: {r.why}")
+            groups.setdefault(key, []).append(r)
+        lines = []
+        for (kind, route, why), members in groups.items():
+            count = f" x{len(members)}" if len(members) > 1 else ""
+            lines.append(f"{kind}{count}: {route} ({why})")
+        return lines
 
     def summary(self) -> str:
         tail = f"; {self.attention}" if self.attention else ""
         if not self.applied:
             return f"cpu fast path: off ({self.reason}){tail}"
-        gib = 1024**3
-        return (
-            f"cpu fast path: {len(self.layers)} linear + {len(self.embeddings)} embedding layers, "
-            f"dense above {self.dense_prefill_threshold} tokens; float32 copies of "
-            f"{len(self.dense_layers)}/{len(self.layers) + len(self.embeddings)} layers "
-            f"({self.dense_bytes / gib:.2f} GiB of {self.budget_bytes / gib:.2f} GiB budget)"
-            f"{f', {len(self.numpy_matvec_layers)} decode through numpy sgemv' if self.numpy_matvec_layers else ''}; "
-            f"BLAS {'loaded' if self.blas_loaded else 'NOT loaded (reference BLAS)'}{tail}"
-        )
+        total = len(self.layers) + len(self.embeddings)
+        counts = ", ".join(f"{n} {route}" for route in ROUTES
+                           if (n := sum(r.route == route for r in self.routes)))
+        parts = [f"cpu fast path: {total} quantised layers ({counts})"]
+        if self.kernel_layers:
+            parts.append(f"packed kernels up to {self.kernel_max_tokens} tokens, dequantise + gemm above")
+        if self.dense_layers:
+            gib = 1024**3
+            parts.append(f"float32 copies {self.dense_bytes / gib:.2f} GiB of {self.budget_bytes / gib:.2f} GiB budget")
+        if any(r.route == "mlx" for r in self.routes):
+            parts.append(f"MLX dense above {self.dense_prefill_threshold} tokens")
+        parts.append(self.kernels)
+        if self.gemm:
+            parts.append(f"prefill gemm: {self.gemm}")
+        parts.append(f"MLX's BLAS: {'optimised' if self.blas_loaded else 'bundled reference'}")
+        return "; ".join(p for p in parts if p) + tail
 
-
-class _Fast:
-    """Per-layer state, kept outside the module's parameter tree (not an mx.array attribute)."""
-
-    __slots__ = ("threshold", "dense", "dense_np", "numpy_matvec")
-
-    def __init__(self, threshold: int, dense: mx.array | None, numpy_matvec: bool = True):
-        self.threshold = threshold
-        self.dense = dense
-        self.dense_np: np.ndarray | None = None  # a view of ``dense`` (same memory) for numpy's sgemv
-        self.numpy_matvec = numpy_matvec
-
-
-def _tokens(x: mx.array) -> int:
-    return math.prod(x.shape[:-1])
-
-
-def _numpy_matvec(x: mx.array, w: np.ndarray, out_dtype: mx.Dtype) -> mx.array:
-    """One token times w[out, in]^T through numpy's sgemv (evaluates ``x`` first)."""
-    xn = np.asarray(x if x.dtype == mx.float32 else x.astype(mx.float32))
-    y = mx.array((w @ xn.reshape(-1)).reshape(*x.shape[:-1], w.shape[0]))
-    return y if y.dtype == out_dtype else y.astype(out_dtype)
-
-
-def _dense_matmul(x: mx.array, w: mx.array, out_dtype: mx.Dtype) -> mx.array:
-    """x [..., in] times w[out, in]^T as one float32 sgemm over all leading dims."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.dtype != mx.float32:
-        x2 = x2.astype(mx.float32)
-    y = (x2 @ w.T).reshape(*lead, w.shape[0])
-    return y if y.dtype == out_dtype else y.astype(out_dtype)
-
-
-class _DenseRoute:
-    """Shared logic of the patched linear and embedding layers."""
-
-    _fast: _Fast
-
-    def _dequantized(self) -> mx.array:
-        return mx.dequantize(
-            self["weight"],
-            scales=self["scales"],
-            biases=self.get("biases"),
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-            dtype=mx.float32,
-        )
-
-    def _project(self, x: mx.array) -> mx.array | None:
-        """The dense result, or None when quantized_matmul is the better route."""
-        # quantized_matmul returns the promotion of the activation and scale dtypes.
-        out_dtype = mx.result_type(x.dtype, self["scales"].dtype)
-        fast = self._fast
-        if fast.dense is not None:
-            if fast.dense_np is not None and _tokens(x) == 1:
-                return _numpy_matvec(x, fast.dense_np, out_dtype)
-            return _dense_matmul(x, fast.dense, out_dtype)
-        if _tokens(x) > self._fast.threshold:
-            return _dense_matmul(x, self._dequantized(), out_dtype)
-        return None
-
-    @property
-    def dense_nbytes(self) -> int:
-        out, packed_in = self["weight"].shape
-        return out * (packed_in * 32 // self.bits) * 4
-
-    def keep_dense(self) -> None:
-        w = self._dequantized()
-        mx.eval(w)
-        self._fast.dense = w
-        # numpy reads the same buffer (no copy); the mx.array above keeps it alive
-        use_numpy = self._fast.numpy_matvec and w.size >= NUMPY_MATVEC_MIN_ELEMENTS
-        self._fast.dense_np = np.asarray(w) if use_numpy else None
-
-    def drop_dense(self) -> None:
-        self._fast.dense = None
-        self._fast.dense_np = None
-
-    @property
-    def has_dense(self) -> bool:
-        return self._fast.dense is not None
-
-
-class CpuQuantizedLinear(_DenseRoute, nn.QuantizedLinear):
-    """`nn.QuantizedLinear` with the same parameters and a dense-matmul route for the CPU."""
-
-    def __init__(self, src: nn.QuantizedLinear, threshold: int, numpy_matvec: bool = True):
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
-        self.weight = src["weight"]
-        self.scales = src["scales"]
-        self.biases = src.get("biases")
-        if "bias" in src:
-            self.bias = src["bias"]
-        self.freeze()
-        self._fast = _Fast(threshold, None, numpy_matvec)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = self._project(x)
-        if y is None:
-            return super().__call__(x)
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
-
-
-class CpuQuantizedEmbedding(_DenseRoute, nn.QuantizedEmbedding):
-    """`nn.QuantizedEmbedding` whose `as_linear` (a tied output head) takes the dense route."""
-
-    def __init__(self, src: nn.QuantizedEmbedding, threshold: int, numpy_matvec: bool = True):
-        nn.Module.__init__(self)
-        self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
-        self.num_embeddings, self.dims = src.num_embeddings, src.dims
-        self.weight = src["weight"]
-        self.scales = src["scales"]
-        self.biases = src.get("biases")
-        self.freeze()
-        self._fast = _Fast(threshold, None, numpy_matvec)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        dense = self._fast.dense
-        if dense is not None and self["scales"].dtype == mx.float32:
-            return dense[x]  # the same rows dequantize() would produce
-        return super().__call__(x)
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        y = self._project(x)
-        return super().as_linear(x) if y is None else y
+    def details(self) -> list[str]:
+        """The summary, then the route of each kind of layer and why (for --verbose and notes)."""
+        return [self.summary(), *(f"  {line}" for line in self.route_lines())]
 
 
 def physical_memory_bytes() -> int:
@@ -226,31 +132,44 @@ def accelerate_model(
     dense_weights: str = "auto",
     dense_budget_bytes: int | None = None,
     numpy_matvec: bool = True,
+    kernels: str = "auto",
+    kernel_max_tokens: int = KERNEL_MAX_TOKENS,
+    threads: int = 0,
+    kernel_min_elements: int = NUMPY_MIN_ELEMENTS,
+    warm_up: bool = True,
 ) -> CpuPlan:
-    """Give a quantised model's matmuls the CPU fast path; a no-op on other backends.
+    """Give a quantised model's products the CPU fast path; a no-op on other backends.
 
     backend: the backend the model runs on ("cpu", "metal", "cuda"); anything but "cpu" leaves
-    the model untouched. dense_prefill_threshold: calls with more tokens (product of the leading
-    dims) than this dequantise and use a dense BLAS matmul; smaller ones use quantized_matmul.
-    dense_weights: "on" keeps a float32 copy of every quantised weight and uses it for every call
-    (decode too); "auto" does so, layer by layer in model order while the copies fit the budget,
-    only when an optimised BLAS is loaded (with the reference BLAS a dense matvec is no faster
-    than quantized_matmul); "off" never does. dense_budget_bytes defaults to a quarter of the
-    machine's physical memory. numpy_matvec: single-token products with a kept float32 copy run
-    through numpy's sgemv, which is ~4x faster than MLX's M=1 sgemm on the same BLAS (measured:
-    1.0 ms against 4.6 ms for a 5632x2048 weight); from 2 tokens on both are equal.
+    the model untouched. kernels: "auto" uses the packed-weight kernels for every layer they
+    support (numba installed, affine 4/8-bit, group 32/64/128, input width a multiple of 64,
+    at least 1024x1024); "off" never. kernel_max_tokens: calls with up to this many tokens run
+    the packed kernels, longer ones dequantise blocks + gemm. threads: kernel threads (0: one
+    per core). kernel_min_elements: smaller weights stay on MLX (a kernel call's sync costs
+    more than they save; tests lower it). warm_up: compile (or load from numba's disk cache) the
+    kernels the plan uses now rather than in the first reply. dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
+    for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
+    is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
+    memory); "off" never. dense_prefill_threshold: MLX-routed calls with more tokens than this
+    dequantise and use a dense matmul instead of quantized_matmul. numpy_matvec: single-token
+    products with a kept float32 copy run through numpy's sgemv (~4x faster than MLX's M=1
+    sgemm on the same BLAS).
     """
     backend = (backend or "").lower()
     if dense_weights not in DENSE_WEIGHT_MODES:
         raise ValueError(f"dense_weights must be one of {DENSE_WEIGHT_MODES}, not {dense_weights!r}")
+    if kernels not in KERNEL_MODES:
+        raise ValueError(f"kernels must be one of {KERNEL_MODES}, not {kernels!r}")
     if dense_prefill_threshold < 0:
         raise ValueError("dense_prefill_threshold must be >= 0")
+    if kernel_max_tokens < 1:
+        raise ValueError("kernel_max_tokens must be >= 1")
     from chatapp.backend.blas import current_blas
 
     plan = CpuPlan(backend=backend, applied=False, reason="", dense_prefill_threshold=dense_prefill_threshold,
-                   dense_weights=dense_weights, numpy_matvec=numpy_matvec)
+                   dense_weights=dense_weights, numpy_matvec=numpy_matvec, kernel_max_tokens=kernel_max_tokens)
     if backend != "cpu":
-        plan.reason = f"backend is {backend!r}; the dense fast path is for the 'cpu' backend only"
+        plan.reason = f"backend is {backend!r}; the fast path is for the 'cpu' backend only"
         return plan
 
     blas = current_blas()
@@ -264,6 +183,7 @@ def accelerate_model(
         return plan
     targets.sort(key=lambda t: _natural(t[0]))  # model order: layers.2 before layers.10
 
+    kernels_ok, kernels_why = _kernels_available(kernels, threads, plan)
     replaced = {}
     for name, m in targets:
         if isinstance(m, nn.QuantizedEmbedding):
@@ -276,27 +196,40 @@ def accelerate_model(
         plan.dense_bytes_wanted += new.dense_nbytes
     _set_modules(model, replaced)
 
-    keep = dense_weights == "on" or (dense_weights == "auto" and blas.loaded)
+    may_copy = dense_weights == "on" or (dense_weights == "auto" and blas.loaded)
     for name, new in replaced.items():
-        if not keep:
-            break
-        if dense_weights == "auto" and plan.dense_bytes + new.dense_nbytes > plan.budget_bytes:
-            continue
-        new.keep_dense()
-        plan.dense_bytes += new.dense_nbytes
-        plan.dense_layers.append(name)
-        if new._fast.dense_np is not None:
-            plan.numpy_matvec_layers.append(name)
+        why_not = kernels_why if not kernels_ok else new.kernel_unsupported(kernel_min_elements)
+        if dense_weights != "on" and why_not is None:
+            new.use_kernel(kernel_max_tokens)
+            plan.kernel_layers.append(name)
+            why = "packed-weight kernels"
+        elif may_copy and (dense_weights == "on" or plan.dense_bytes + new.dense_nbytes <= plan.budget_bytes):
+            new.keep_dense()
+            plan.dense_bytes += new.dense_nbytes
+            plan.dense_layers.append(name)
+            if new._route.dense_np is not None:
+                plan.numpy_matvec_layers.append(name)
+            why = "dense_weights = on" if dense_weights == "on" else f"float32 copy ({why_not})"
+        else:
+            new.use_mlx()
+            why = why_not or "dense_weights = on but over budget"
+            if may_copy and why_not:
+                why = f"{why_not}; float32 copy over budget"
+        plan.routes.append(LayerRoute(name, new.route, why, new.bits, new.group_size, new.shape))
 
     plan.applied = True
-    why = []
-    if dense_weights == "auto" and not blas.loaded:
-        why.append("no float32 copies kept: no optimised BLAS loaded")
-    elif dense_weights == "auto" and len(plan.dense_layers) < len(replaced):
-        why.append(f"float32 copies of {len(plan.dense_layers)} of {len(replaced)} layers fit the budget")
-    plan.reason = "; ".join(why) or "ok"
-    if not blas.loaded:
-        plan.warnings.append(f"no optimised BLAS: dense matmuls run on MLX's reference BLAS ({blas.reason})")
+    if warm_up and plan.kernel_layers:
+        from .warmup import warm_up_kernels
+
+        plan.warm_up_seconds = warm_up_kernels(replaced[n] for n in plan.kernel_layers)
+    reasons = []
+    if not kernels_ok:
+        reasons.append(kernels_why)
+    if dense_weights == "auto" and not blas.loaded and not kernels_ok:
+        reasons.append("no float32 copies kept: no optimised BLAS loaded")
+    plan.reason = "; ".join(reasons) or "ok"
+    if not blas.loaded and any(r.route == "mlx" for r in plan.routes):
+        plan.warnings.append(f"no optimised BLAS: MLX-routed prefill products run on MLX's reference BLAS ({blas.reason})")
     low = sorted({str(p.dtype) for _, p in _flat_params(model) if mx.issubdtype(p.dtype, mx.floating)
                   and p.dtype != mx.float32})
     if low:
@@ -305,6 +238,26 @@ def accelerate_model(
             "quantized_matmul on the CPU is 7-30x slower in half precision; cast the model to float32"
         )
     return plan
+
+
+def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool, str | None]:
+    """(usable, why not); fills the plan's kernel and gemm descriptions."""
+    if kernels == "off":
+        plan.kernels = "kernels: off (cpu.kernels = off)"
+        return False, "cpu.kernels = off"
+    from chatapp.kernels import kernel_info
+    from chatapp.kernels.pool import set_threads
+
+    info = kernel_info()
+    if info.ok:
+        info.threads = set_threads(threads or None).threads
+    plan.kernels = info.summary()
+    if not info.ok:
+        return False, info.reason
+    from chatapp.backend.numpy_blas import numpy_blas
+
+    plan.gemm = numpy_blas().describe()
+    return True, None
 
 
 def _natural(path: str) -> tuple:
@@ -330,10 +283,19 @@ def _set_modules(model: nn.Module, replaced: dict[str, nn.Module]) -> None:
 
 def apply_fast_path(model: nn.Module, *, backend: str, fast_attention: bool = True, **options) -> CpuPlan:
     """Everything the app does for a model on the CPU backend: `accelerate_model(model, **options)`
-    for the weight products, and the numpy prefill attention kernel (`cpu_attention.py`).
-    A no-op on other backends (and it removes a kernel installed earlier)."""
+    for the weight products, the numpy prefill attention kernel (`cpu_attention.py`) and the
+    decode attention kernels (`decode_attention.py`, with the packed-weight kernels).
+    A no-op on other backends (and it removes kernels installed earlier)."""
     from chatapp.backend.cpu_attention import install_prefill_attention
+    from chatapp.backend.decode_attention import install_decode_attention
 
     plan = accelerate_model(model, backend=backend, **options)
-    plan.attention = install_prefill_attention(backend, fast_attention)
+    attention = [install_prefill_attention(backend, fast_attention)]
+    on_cpu = (backend or "").lower() == "cpu"
+    decode = on_cpu and fast_attention and options.get("kernels", "auto") != "off" and plan.kernels.startswith("kernels: numba")
+    if on_cpu and not plan.kernels:  # a model without quantised layers still gets the probe
+        _kernels_available(options.get("kernels", "auto"), options.get("threads", 0), plan)
+        decode = fast_attention and plan.kernels.startswith("kernels: numba")
+    attention.append(install_decode_attention(decode))
+    plan.attention = "; ".join(attention)
     return plan

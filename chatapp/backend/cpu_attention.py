@@ -106,4 +106,4 @@ def install_prefill_attention(backend: str, enabled: bool = True) -> str:
         set_prefill_kernel(None)
         return "prefill attention: MLX SDPA (cpu.fast_attention = false)"
     set_prefill_kernel(numpy_prefill_attention)
-    return "prefill attention: numpy kernel (decode keeps MLX SDPA)"
+    return "prefill attention: numpy kernel"

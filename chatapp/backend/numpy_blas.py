@@ -33,6 +33,7 @@ class NumpyBlas:
         self.path: str | None = None
         self._set: Callable | None = None
         self._get: Callable | None = None
+        self._lib: ctypes.CDLL | None = None
         libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
         for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*")) + glob.glob(os.path.join(libs, "libopenblas*"))):
             try:
@@ -42,7 +43,7 @@ class NumpyBlas:
             setter = next((getattr(lib, n) for n in _SETTERS if hasattr(lib, n)), None)
             getter = next((getattr(lib, n) for n in _GETTERS if hasattr(lib, n)), None)
             if setter is not None and getter is not None:
-                self.path, self._set, self._get = path, setter, getter
+                self.path, self._set, self._get, self._lib = path, setter, getter, lib
                 setter.argtypes, getter.restype = [ctypes.c_int], ctypes.c_int
                 return
 
@@ -52,6 +53,23 @@ class NumpyBlas:
 
     def threads(self) -> int | None:
         return self._get() if self._get is not None else None
+
+    def describe(self) -> str:
+        """"numpy's bundled OpenBLAS 0.3.31 (SkylakeX kernels, 2 threads)", for the plan."""
+        if self._lib is None:
+            return "numpy's BLAS (not a bundled OpenBLAS)"
+        config = self._string(("scipy_openblas_get_config64_", "scipy_openblas_get_config", "openblas_get_config"))
+        core = self._string(("scipy_openblas_get_corename64_", "scipy_openblas_get_corename", "openblas_get_corename"))
+        version = config.split()[1] if config.startswith("OpenBLAS ") and len(config.split()) > 1 else ""
+        detail = ", ".join(x for x in (f"{core} kernels" if core else "", f"{self.threads()} threads") if x)
+        return f"numpy's bundled OpenBLAS{' ' + version if version else ''} ({detail})"
+
+    def _string(self, names: tuple[str, ...]) -> str:
+        fn = next((getattr(self._lib, n) for n in names if hasattr(self._lib, n)), None)
+        if fn is None:
+            return ""
+        fn.restype = ctypes.c_char_p
+        return (fn() or b"").decode(errors="replace").strip()
 
     def set_threads(self, n: int) -> None:
         if self._set is not None:

@@ -29,6 +29,7 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         loaded.model, backend=pick_backend().name, fast_attention=cpu.fast_attention,
         dense_prefill_threshold=cpu.dense_prefill_threshold, dense_weights=cpu.dense_weights,
         dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
+        kernels=cpu.kernels, kernel_max_tokens=cpu.kernel_max_tokens, threads=cpu.threads,
     )
     return loaded
 
@@ -67,6 +68,7 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
     plan = getattr(loaded, "cpu_plan", None)
     if plan is not None and plan.applied:
         session.notices.append(f"CPU fast path: {plan.summary()}")
+        session.notices.append(f"CPU routes: {'; '.join(plan.route_lines())}")
     if plan is not None:
         session.notices.extend(plan.warnings)
     return session

@@ -1,0 +1,257 @@
+"""Quantised layers for MLX's CPU backend, with the route each product takes.
+
+`accelerate_model` (cpu.py) swaps every `nn.QuantizedLinear` / `nn.QuantizedEmbedding` for a
+subclass with the same parameters (same names, same arrays: weights, saving and
+`model.parameters()` are unaffected) and gives each one a route:
+
+- ``kernel``: products on the packed weights themselves (`chatapp.kernels.qmatmul`, numba):
+  up to ``kernel_max_tokens`` tokens (decode) the kernel reads the 4- or 8-bit bytes once per
+  call; longer calls (prefill) dequantise blocks of rows into a float32 scratch and run one
+  BLAS gemm per block through numpy's bundled OpenBLAS. No float32 copy of the weights is
+  kept, so a 7B model stays at its 4-bit size.
+- ``dense``: a kept float32 copy of the weight (8x the 4-bit bytes), products through the BLAS
+  (single tokens through numpy's sgemv). Only when asked for (``dense_weights = "on"``) or
+  when the kernels are unavailable and an optimised BLAS is loaded.
+- ``mlx``: MLX's own `quantized_matmul`, dequantising and using MLX's matmul above
+  ``threshold`` tokens. For weights the kernels do not handle, and small ones, where the sync
+  that hands an activation to numpy (20-60 us) costs more than the product.
+
+Every route computes in float32 and returns what `quantized_matmul` would (the promotion of
+the activation and scale dtypes).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+ROUTES = ("kernel", "dense", "mlx")
+
+# Weights at least this large (out x in) take numpy's sgemv or the packed kernels for one
+# token. Each call evaluates its input (a sync, ~20-60 us), which small products cannot repay:
+# per product in a chain of 8, MLX vs numpy took 23 vs 63 us at 512x512, 42 vs 49 us at 768x768
+# and 366 vs 62 us at 1024x1024. stories260K (64 wide) decodes at ~560 tokens/s through MLX and
+# ~360 through numpy.
+NUMPY_MIN_ELEMENTS = 1024 * 1024
+
+
+@dataclass(eq=False)
+class Route:
+    """Per-layer state, kept outside the module's parameter tree (no mx.array attributes)."""
+
+    kind: str = "mlx"
+    why: str = ""
+    threshold: int = 16  # mlx route: dequantise + dense matmul above this many tokens
+    kernel_max_tokens: int = 4  # kernel route: packed products up to this many tokens
+    numpy_matvec: bool = True  # dense route: single tokens through numpy's sgemv
+    packed: object | None = None  # chatapp.kernels.qmatmul.PackedWeight (kernel route)
+    dense: mx.array | None = None  # dense route: the float32 copy
+    dense_np: np.ndarray | None = None  # a numpy view of ``dense`` (same memory) for sgemv
+
+
+def _tokens(x: mx.array) -> int:
+    return math.prod(x.shape[:-1])
+
+
+def _as_numpy_tokens(x: mx.array) -> np.ndarray:
+    """x [..., K] evaluated as a float32 numpy array [tokens, K] (a view where possible)."""
+    xf = x if x.dtype == mx.float32 else x.astype(mx.float32)
+    mx.eval(xf)
+    return np.asarray(xf).reshape(-1, x.shape[-1])
+
+
+def _from_numpy(y: np.ndarray, lead: tuple, out_dtype: mx.Dtype) -> mx.array:
+    out = mx.array(y).reshape(*lead, y.shape[-1])
+    return out if out.dtype == out_dtype else out.astype(out_dtype)
+
+
+def _numpy_matvec(x: mx.array, w: np.ndarray, out_dtype: mx.Dtype) -> mx.array:
+    """One token times w[out, in]^T through numpy's sgemv (evaluates ``x`` first)."""
+    xn = _as_numpy_tokens(x)
+    return _from_numpy(xn @ w.T, x.shape[:-1], out_dtype)
+
+
+def _dense_matmul(x: mx.array, w: mx.array, out_dtype: mx.Dtype) -> mx.array:
+    """x [..., in] times w[out, in]^T as one float32 sgemm over all leading dims (MLX's BLAS)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.dtype != mx.float32:
+        x2 = x2.astype(mx.float32)
+    y = (x2 @ w.T).reshape(*lead, w.shape[0])
+    return y if y.dtype == out_dtype else y.astype(out_dtype)
+
+
+_scratch = threading.local()
+
+
+def _kernel_matmul(x: mx.array, route: Route, out_dtype: mx.Dtype) -> mx.array:
+    from chatapp.kernels import qmatmul
+
+    xn = _as_numpy_tokens(x)
+    if xn.shape[0] <= route.kernel_max_tokens:
+        y = qmatmul.matmul(route.packed, xn)
+    else:
+        from .numpy_blas import numpy_blas
+
+        scratch = getattr(_scratch, "buf", None)
+        if scratch is None:
+            scratch = _scratch.buf = qmatmul.Scratch()
+        with numpy_blas().single_threaded():  # each kernel thread runs its own blocks' gemms
+            y = qmatmul.matmul_dequantized(route.packed, xn, scratch)
+    return _from_numpy(y, x.shape[:-1], out_dtype)
+
+
+def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
+    """numpy views (no copies) of a quantised weight for the kernels; float16 scales are read
+    as their uint16 bits, other non-float32 dtypes are converted once."""
+    from chatapp.kernels.qmatmul import PackedWeight
+
+    def float_view(a: mx.array) -> np.ndarray:
+        if a.dtype == mx.float16:
+            a = a.view(mx.uint16)
+        elif a.dtype != mx.float32:
+            a = a.astype(mx.float32)
+        mx.eval(a)
+        return np.asarray(a)
+
+    mx.eval(weight)
+    return PackedWeight(np.asarray(weight).view(np.uint8), float_view(scales), float_view(biases), bits, group_size)
+
+
+class _Routed:
+    """Shared logic of the patched linear and embedding layers."""
+
+    _route: Route
+
+    def _dequantized(self) -> mx.array:
+        return mx.dequantize(
+            self["weight"], scales=self["scales"], biases=self.get("biases"), group_size=self.group_size,
+            bits=self.bits, mode=self.mode, dtype=mx.float32,
+        )
+
+    def _project(self, x: mx.array) -> mx.array | None:
+        """The routed result, or None when MLX's quantized_matmul is the route for this call."""
+        # quantized_matmul returns the promotion of the activation and scale dtypes.
+        out_dtype = mx.result_type(x.dtype, self["scales"].dtype)
+        route = self._route
+        if route.kind == "kernel":
+            return _kernel_matmul(x, route, out_dtype)
+        if route.kind == "dense":
+            if route.dense_np is not None and _tokens(x) == 1:
+                return _numpy_matvec(x, route.dense_np, out_dtype)
+            return _dense_matmul(x, route.dense, out_dtype)
+        if _tokens(x) > route.threshold:
+            return _dense_matmul(x, self._dequantized(), out_dtype)
+        return None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in) of the full-precision weight."""
+        out, packed_in = self["weight"].shape
+        return out, packed_in * 32 // self.bits
+
+    @property
+    def dense_nbytes(self) -> int:
+        out, inp = self.shape
+        return out * inp * 4
+
+    def kernel_unsupported(self, min_elements: int = NUMPY_MIN_ELEMENTS) -> str | None:
+        """None when the packed kernels can run this layer, else why not."""
+        from chatapp.kernels.qmatmul import unsupported
+
+        if self.get("biases") is None:
+            return f"quantisation mode {self.mode!r} has no biases (kernels: affine)"
+        out, inp = self.shape
+        if out * inp < min_elements:
+            return f"{out}x{inp} is small: handing it to a kernel costs more than MLX's product"
+        return unsupported(self.bits, self.group_size, inp, self.mode)
+
+    def use_kernel(self, kernel_max_tokens: int) -> None:
+        self._drop_dense()
+        self._route.packed = packed_view(self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+        self._route.kernel_max_tokens = kernel_max_tokens
+        self._route.kind = "kernel"
+
+    def keep_dense(self) -> None:
+        w = self._dequantized()
+        mx.eval(w)
+        route = self._route
+        route.packed = None
+        route.dense = w
+        # numpy reads the same buffer (no copy); the mx.array above keeps it alive
+        use_numpy = route.numpy_matvec and w.size >= NUMPY_MIN_ELEMENTS
+        route.dense_np = np.asarray(w) if use_numpy else None
+        route.kind = "dense"
+
+    def use_mlx(self) -> None:
+        self._drop_dense()
+        self._route.packed = None
+        self._route.kind = "mlx"
+
+    def _drop_dense(self) -> None:
+        self._route.dense = None
+        self._route.dense_np = None
+
+    def drop_dense(self) -> None:
+        if self._route.kind == "dense":
+            self.use_mlx()
+
+    @property
+    def has_dense(self) -> bool:
+        return self._route.dense is not None
+
+    @property
+    def route(self) -> str:
+        return self._route.kind
+
+
+class CpuQuantizedLinear(_Routed, nn.QuantizedLinear):
+    """`nn.QuantizedLinear` with the same parameters and the CPU routes above."""
+
+    def __init__(self, src: nn.QuantizedLinear, threshold: int = 16, numpy_matvec: bool = True):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
+        self.weight = src["weight"]
+        self.scales = src["scales"]
+        self.biases = src.get("biases")
+        if "bias" in src:
+            self.bias = src["bias"]
+        self.freeze()
+        self._route = Route(threshold=threshold, numpy_matvec=numpy_matvec)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._project(x)
+        if y is None:
+            return super().__call__(x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+class CpuQuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose `as_linear` (a tied output head) takes the routes above."""
+
+    def __init__(self, src: nn.QuantizedEmbedding, threshold: int = 16, numpy_matvec: bool = True):
+        nn.Module.__init__(self)
+        self.group_size, self.bits, self.mode = src.group_size, src.bits, src.mode
+        self.num_embeddings, self.dims = src.num_embeddings, src.dims
+        self.weight = src["weight"]
+        self.scales = src["scales"]
+        self.biases = src.get("biases")
+        self.freeze()
+        self._route = Route(threshold=threshold, numpy_matvec=numpy_matvec)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        dense = self._route.dense
+        if dense is not None and self["scales"].dtype == mx.float32:
+            return dense[x]  # the same rows dequantize() would produce
+        return super().__call__(x)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = self._project(x)
+        return super().as_linear(x) if y is None else y

@@ -1,0 +1,199 @@
+"""The route each quantised layer takes on the CPU backend (packed-weight kernels, float32 copy,
+MLX), the fallbacks and their reasons, and replies with the kernels on equal to MLX's/mlx-lm's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+import chatapp.kernels  # noqa: E402
+from cache import CacheSettings, set_decode_kernels  # noqa: E402
+from cache.attention import decode_kernels  # noqa: E402
+from chatapp.backend import cpu, decode_attention  # noqa: E402
+from chatapp.backend.cpu import CpuQuantizedLinear, accelerate_model, apply_fast_path  # noqa: E402
+from chatapp.engine.generate import GenerationSettings, TokenEvent  # noqa: E402
+from chatapp.engine.session import Session  # noqa: E402
+from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer  # noqa: E402
+
+SHAPE = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=64, intermediate_size=512, vocab_size=512)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_decode_kernels():
+    set_decode_kernels(None, None)
+    yield
+    set_decode_kernels(None, None)
+
+
+def model(bits: int = 4, group_size: int = 64, tied: bool = False, shape: LlamaShape = SHAPE, seed: int = 0):
+    m, _ = build_random_llama(LlamaShape(**{**shape.__dict__, "tie_word_embeddings": tied}), seed=seed,
+                              quantize_bits=bits, group_size=group_size)
+    if tied:
+        nn.quantize(m, group_size=group_size, bits=bits, class_predicate=lambda _, x: isinstance(x, nn.Embedding))
+    mx.eval(m.parameters())
+    return m
+
+
+def greedy(m, prompt: mx.array, n: int) -> list[int]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(m)
+    logits = m(prompt, cache=cache)
+    out = []
+    for _ in range(n):
+        y = mx.argmax(logits[:, -1, :], axis=-1)
+        out.append(int(y.item()))
+        logits = m(y[None], cache=cache)
+    return out
+
+
+def close(a: mx.array, b: mx.array, tol: float = 1e-4) -> bool:
+    return float(mx.abs(a - b).max()) <= tol * float(mx.abs(b).max())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (4, 32), (8, 128)])
+def test_kernel_route_logits_and_greedy_equal(tied, bits, group_size):
+    ref, fast = model(bits, group_size, tied), model(bits, group_size, tied)
+    plan = accelerate_model(fast, backend="cpu", kernel_min_elements=0)
+    assert len(plan.kernel_layers) == len(plan.layers) + len(plan.embeddings) == 15
+    assert all(r.route == "kernel" for r in plan.routes) and not plan.dense_layers
+    prompt = mx.random.randint(0, SHAPE.vocab_size, (1, 40), key=mx.random.key(3))
+    for n in (1, 3, 40):  # the packed kernel (up to kernel_max_tokens), then dequantise + gemm
+        assert close(fast(prompt[:, :n]), ref(prompt[:, :n])), n
+    assert greedy(fast, prompt, 16) == greedy(ref, prompt, 16)
+
+
+def test_weights_stay_packed_and_shared():
+    fast = model()
+    before = {id(p) for _, p in __import__("mlx.utils").utils.tree_flatten(fast.parameters())}
+    accelerate_model(fast, backend="cpu", kernel_min_elements=0)
+    layer = fast.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, CpuQuantizedLinear) and layer.route == "kernel" and not layer.has_dense
+    import numpy as np
+
+    assert np.shares_memory(layer._route.packed.packed, np.asarray(layer["weight"]))  # no copy
+    after = {id(p) for _, p in __import__("mlx.utils").utils.tree_flatten(fast.parameters())}
+    assert before == after
+
+
+def test_unsupported_layers_fall_back_to_mlx_with_the_reason():
+    m3 = model(bits=3)
+    plan = accelerate_model(m3, backend="cpu", kernel_min_elements=0)
+    assert not plan.kernel_layers and all(r.route == "mlx" and "3-bit" in r.why for r in plan.routes)
+    x = mx.random.randint(0, SHAPE.vocab_size, (1, 20), key=mx.random.key(1))
+    ref = model(bits=3)
+    assert close(m3(x), ref(x))
+
+    small = model()
+    plan = accelerate_model(small, backend="cpu")  # the default: 256x256 layers are too small
+    assert all(r.route == "mlx" and "small" in r.why for r in plan.routes)
+
+
+def test_mixed_widths_route_per_layer():
+    odd = LlamaShape(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, intermediate_size=480, vocab_size=512)  # 480 % 64 != 0: down_proj's input
+    m = model(group_size=32, shape=odd)
+    plan = accelerate_model(m, backend="cpu", kernel_min_elements=0)
+    routes = {r.name.rsplit(".", 1)[-1]: r for r in plan.routes}
+    assert routes["down_proj"].route == "mlx" and "480" in routes["down_proj"].why
+    assert routes["up_proj"].route == "kernel" and routes["q_proj"].route == "kernel"
+    lines = plan.route_lines()
+    assert "up_proj: kernel (4-bit, group 32)" in lines
+    assert any(line.startswith("down_proj: mlx (4-bit, group 32: input width 480") for line in lines)
+
+
+def test_kernels_off_and_numba_missing(monkeypatch):
+    plan = apply_fast_path(model(), backend="cpu", kernels="off", kernel_min_elements=0)
+    assert all(r.route == "mlx" and r.why == "cpu.kernels = off" for r in plan.routes)
+    assert decode_kernels() == (None, None) and "decode attention: MLX SDPA" in plan.attention
+    monkeypatch.setattr(chatapp.kernels, "kernel_info",
+                        lambda: chatapp.kernels.KernelInfo(False, "numba is not installed (pip install numba)"))
+    plan = apply_fast_path(model(), backend="cpu", kernel_min_elements=0)
+    assert all(r.route == "mlx" and "numba is not installed" in r.why for r in plan.routes)
+    assert "kernels: off (numba is not installed" in plan.summary() and decode_kernels() == (None, None)
+
+
+def test_other_backends_remove_the_decode_kernels():
+    apply_fast_path(model(), backend="cpu", kernel_min_elements=0)
+    assert decode_kernels() == (decode_attention.decode_full, decode_attention.decode_mixed)
+    plan = apply_fast_path(model(), backend="metal")
+    assert not plan.applied and decode_kernels() == (None, None)
+
+
+def test_bad_kernel_arguments():
+    with pytest.raises(ValueError):
+        accelerate_model(model(), backend="cpu", kernels="maybe")
+    with pytest.raises(ValueError):
+        accelerate_model(model(), backend="cpu", kernel_max_tokens=0)
+
+
+def _reply_tokens(session: Session, text: str) -> list[int]:
+    return [e.token for e in session.send(text) if isinstance(e, TokenEvent) and e.token >= 0]
+
+
+def test_session_reply_equals_mlx_lm_with_kernels_on():
+    """One end-to-end greedy reply: chatapp's session with every kernel on (packed products,
+    dequantise + gemm prefill, decode attention) against mlx_lm.stream_generate on the same
+    weights without them."""
+    from mlx_lm import stream_generate
+
+    tok = byte_tokenizer()
+    shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=512, vocab_size=258)
+    ref, fast = model(shape=shape, seed=5), model(shape=shape, seed=5)
+    plan = apply_fast_path(fast, backend="cpu", kernel_min_elements=0)
+    assert plan.kernel_layers and decode_kernels()[0] is not None
+    calls = []
+    real = decode_attention.decode_full
+    set_decode_kernels(lambda *a: calls.append(1) or real(*a), decode_attention.decode_mixed)
+    session = Session(fast, tok, generation=GenerationSettings(temp=0.0, max_tokens=24, ignore_eos=True), raw=True)
+    got = _reply_tokens(session, "The kernels must agree with MLX here.")
+    asked = session.conversation.copy()
+    asked.messages.pop()  # the reply
+    prompt = session.format.tokens(asked)
+    want = [int(r.token) for r in stream_generate(ref, tok, mx.array(prompt), max_tokens=24)]
+    assert got == want and len(calls) >= 23 * shape.num_hidden_layers
+
+
+def test_window_quant_decode_reads_the_quantised_history():
+    """window-quant past its budget: decode attention goes through the mixed kernel (packed K/V
+    read in place) and the reply equals the MLX route's."""
+    tok = byte_tokenizer()
+    shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=512, vocab_size=258)
+    settings = CacheSettings(mode="window-quant", sinks=4, window=32, evict_chunk=16, max_kv_tokens=400,
+                             kv_bits=8, kv_group_size=32)
+    gen = GenerationSettings(temp=0.0, max_tokens=16, ignore_eos=True)
+    text = "A long prompt, so that most of it is quantised. " * 4
+    ref = Session(model(shape=shape, seed=2), tok, generation=gen, mode="window-quant", cache_settings=settings, raw=True)
+    want = _reply_tokens(ref, text)
+    fast_model = model(shape=shape, seed=2)
+    apply_fast_path(fast_model, backend="cpu", kernel_min_elements=0)
+    mixed = []
+    real = decode_attention.decode_mixed
+    set_decode_kernels(decode_attention.decode_full, lambda *a: mixed.append(1) or real(*a))
+    fast = Session(fast_model, tok, generation=gen, mode="window-quant", cache_settings=settings, raw=True)
+    assert _reply_tokens(fast, text) == want
+    assert fast.cache_view().quant_tokens > 0 and len(mixed) >= 15 * shape.num_hidden_layers
+
+
+def test_explicit_mask_arrays_stay_on_mlx():
+    q = mx.zeros((1, 2, 1, 64))
+    kv = mx.zeros((1, 1, 8, 64))
+    assert decode_attention.decode_full(q, kv, kv, 0.1, mx.zeros((1, 8))) is None
+    assert decode_attention.decode_full(mx.zeros((1, 2, 2, 64)), kv, kv, 0.1, None) is None  # 2 queries
+    assert decode_attention.decode_full(q, kv.astype(mx.float16), kv.astype(mx.float16), 0.1, None) is None
+
+
+def test_plan_summary_names_blas_kernels_and_routes():
+    plan = apply_fast_path(model(), backend="cpu", kernel_min_elements=0)
+    text = "\n".join(plan.details())
+    assert "kernels: numba" in text and "prefill gemm: numpy's" in text and "MLX's BLAS:" in text
+    assert "decode attention: kernel" in text and "q_proj x2: kernel (4-bit, group 64)" in text
+    assert plan.warm_up_seconds > 0
+    assert cpu.KERNEL_MAX_TOKENS == plan.kernel_max_tokens
