@@ -197,3 +197,26 @@ def test_plan_summary_names_blas_kernels_and_routes():
     assert "decode attention: kernel" in text and "q_proj x2: kernel (4-bit, group 64)" in text
     assert plan.warm_up_seconds > 0
     assert cpu.KERNEL_MAX_TOKENS == plan.kernel_max_tokens
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_prefill_computes_the_head_for_the_last_position_only(tied, kernels, monkeypatch):
+    from chatapp.backend import qlinear
+
+    ref, fast = model(tied=tied), model(tied=tied)
+    accelerate_model(fast, backend="cpu", kernels=kernels, kernel_min_elements=0)
+    head = fast.model.embed_tokens if tied else fast.lm_head
+    assert head._route.output_head and not fast.model.layers[0].mlp.up_proj._route.output_head
+    seen = []  # positions the head really computed, whatever its route
+    real_kernel, real_mlx = qlinear._kernel_matmul, type(head)._mlx_product
+    monkeypatch.setattr(qlinear, "_kernel_matmul",
+                        lambda x, route, d: (seen.append(x.shape[1]) if route is head._route else None) or real_kernel(x, route, d))
+    monkeypatch.setattr(type(head), "_mlx_product", lambda self, x: seen.append(x.shape[1]) or real_mlx(self, x))
+    x = mx.random.randint(0, SHAPE.vocab_size, (1, 30), key=mx.random.key(4))
+    with qlinear.last_position_only():
+        out = fast(x)
+    assert close(out[:, -1], ref(x)[:, -1]) and float(mx.abs(out[:, :-1]).max()) == 0
+    assert seen == [1]  # the head never computed the 29 other positions
+    seen.clear()
+    assert close(fast(x), ref(x)) and (seen == [30] or kernels == "off")  # outside the context: all of them

@@ -22,9 +22,12 @@ the activation and scale dtypes).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,6 +43,25 @@ ROUTES = ("kernel", "dense", "mlx")
 NUMPY_MIN_ELEMENTS = 1024 * 1024
 
 
+# MLX evaluates lazily: a prefill that reads only the last position's logits never computes the
+# output head for the other positions. The kernel routes compute eagerly (numpy needs the
+# input), so a 512-token prefill chunk would run the whole head (512 x 32000 x 4096 products,
+# ~1 s here) for one row. A caller that reads only the last position says so with this context;
+# the output head then computes that row alone and leaves the others zero.
+_last_position_only: contextvars.ContextVar[bool] = contextvars.ContextVar("last_position_only", default=False)
+
+
+@contextlib.contextmanager
+def last_position_only() -> Iterator[None]:
+    """Within this context the model's output head computes only the last position's logits
+    (the other rows are zeros): for prefill, which reads ``logits[:, -1]`` and nothing else."""
+    token = _last_position_only.set(True)
+    try:
+        yield
+    finally:
+        _last_position_only.reset(token)
+
+
 @dataclass(eq=False)
 class Route:
     """Per-layer state, kept outside the module's parameter tree (no mx.array attributes)."""
@@ -49,6 +71,7 @@ class Route:
     threshold: int = 16  # mlx route: dequantise + dense matmul above this many tokens
     kernel_max_tokens: int = 4  # kernel route: packed products up to this many tokens
     numpy_matvec: bool = True  # dense route: single tokens through numpy's sgemv
+    output_head: bool = False  # the model's last projection (see last_position_only)
     packed: object | None = None  # chatapp.kernels.qmatmul.PackedWeight (kernel route)
     dense: mx.array | None = None  # dense route: the float32 copy
     dense_np: np.ndarray | None = None  # a numpy view of ``dense`` (same memory) for sgemv
@@ -139,6 +162,12 @@ class _Routed:
         # quantized_matmul returns the promotion of the activation and scale dtypes.
         out_dtype = mx.result_type(x.dtype, self["scales"].dtype)
         route = self._route
+        if route.output_head and x.ndim == 3 and x.shape[1] > 1 and _last_position_only.get():
+            last = self._project(x[:, -1:, :])
+            if last is None:
+                last = self._mlx_product(x[:, -1:, :])
+            rest = mx.zeros((x.shape[0], x.shape[1] - 1, last.shape[-1]), last.dtype)
+            return mx.concatenate([rest, last], axis=1)
         if route.kind == "kernel":
             return _kernel_matmul(x, route, out_dtype)
         if route.kind == "dense":
@@ -210,6 +239,10 @@ class _Routed:
         return self._route.kind
 
 
+    def _mlx_product(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+
 class CpuQuantizedLinear(_Routed, nn.QuantizedLinear):
     """`nn.QuantizedLinear` with the same parameters and the CPU routes above."""
 
@@ -231,6 +264,9 @@ class CpuQuantizedLinear(_Routed, nn.QuantizedLinear):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def _mlx_product(self, x: mx.array) -> mx.array:
+        return nn.QuantizedLinear.__call__(self, x)
 
 
 class CpuQuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
@@ -255,3 +291,6 @@ class CpuQuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
     def as_linear(self, x: mx.array) -> mx.array:
         y = self._project(x)
         return super().as_linear(x) if y is None else y
+
+    def _mlx_product(self, x: mx.array) -> mx.array:
+        return nn.QuantizedEmbedding.as_linear(self, x)

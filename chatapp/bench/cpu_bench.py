@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="transformer layers (default 4)")
     p.add_argument("--threshold", type=int, default=16, help="dense_prefill_threshold (default 16)")
     p.add_argument("--dense-weights", choices=("auto", "on", "off"), default="auto",
-                   help="keep float32 copies of the weights (default auto)")
+                   help="keep float32 copies of the weights (default auto: only where no kernel applies)")
+    p.add_argument("--kernels", choices=("auto", "off"), default="auto", help="chatapp's CPU kernels (default auto)")
     p.add_argument("--no-numpy-matvec", action="store_true",
                    help="decode products through MLX's matmul instead of numpy's sgemv")
     p.add_argument("--layer-dim", type=int, default=4096, help="weight size for the layer table (default 4096)")
@@ -46,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="run each generation N times and keep the best rates (steadier on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--geometry", choices=("bench-2048", "llama2-7b"), default="bench-2048",
+                   help="bench-2048: the 4-layer 2048-wide random model in this process (default); "
+                   "llama2-7b: the flagship's full geometry, peers in processes of their own")
+    from chatapp.bench.cpu_flagship import add_flagship_arguments
+
+    add_flagship_arguments(p)
 
 
 class _NullTokenizer:
@@ -83,24 +90,28 @@ def mlx_lm_generate(model, prompt: list[int], n: int) -> tuple[list[int], float,
     return out, *_rates(len(prompt), t0, stamps)
 
 
-def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 2048) -> tuple[list[int], float, float]:
-    """The same measurement through a plain greedy loop over mlx-lm's KV cache.
+def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 512) -> tuple[list[int], float, float]:
+    """The same measurement through chatapp's caches (prealloc, attention dispatched to the
+    cache, so decode attention takes the CPU kernel when installed).
 
-    Like mlx-lm it prefills all but the last prompt token evaluating only the cache (so the
-    output head runs for the last position only), then decodes one token at a time with the
+    Like mlx-lm it prefills in chunks that evaluate only the cache (the output head runs for
+    the last position only: ``last_position_only``), then decodes one token at a time with the
     next step queued (async_eval) before the current token is read.
     """
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
+    from cache import CacheSettings, make_caches
+    from chatapp.backend.qlinear import last_position_only
+
+    cache = make_caches(model, CacheSettings(mode="prealloc"))
     toks = mx.array(prompt)
     out, stamps = [], []
     t0 = time.perf_counter()
     i = 0
     while len(prompt) - i > 1:
         k = min(prefill_step, len(prompt) - 1 - i)
-        model(toks[i : i + k][None], cache=cache)
+        with last_position_only():
+            model(toks[i : i + k][None], cache=cache)
         mx.eval([c.state for c in cache])
         i += k
 
@@ -170,7 +181,12 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
     def deq():
         return mx.dequantize(wq, s, b, group_size=64, bits=4, dtype=mx.float32)
 
+    from chatapp.backend.qlinear import Route, _kernel_matmul, packed_view
+
+    route = Route(kind="kernel", packed=packed_view(wq, s, b, 4, 64))
     rows = [
+        ("4-bit packed kernel (chatapp: decode)", 1, lambda: _kernel_matmul(x1, route, mx.float32), 10),
+        ("dequantise blocks + numpy gemm (chatapp: prefill)", 512, lambda: _kernel_matmul(x512, route, mx.float32), 3),
         ("dense matmul (float32, MLX matmul)", 512, lambda: x512 @ w.T, 3),
         ("dense matvec (float32, MLX matmul)", 1, lambda: x1 @ w.T, 10),
         ("dense matvec (float32, numpy sgemv: decode)", 1, lambda: _numpy_matvec(x1, wn, mx.float32), 10),
@@ -190,10 +206,14 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.geometry == "llama2-7b":
+        from chatapp.bench.cpu_flagship import run_flagship
+
+        return run_flagship(args)
     import mlx.core as mx
 
     from chatapp.backend.blas import current_blas
-    from chatapp.backend.cpu import accelerate_model
+    from chatapp.backend.cpu import apply_fast_path
     from chatapp.engine.synthetic import LlamaShape, build_random_llama
 
     prompts = [int(p) for p in str(args.prompts).split(",") if p.strip()]
@@ -210,9 +230,11 @@ def run(args: argparse.Namespace) -> int:
     shape = LlamaShape(**{**SHAPE, "num_hidden_layers": args.layers})
     plain, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
     fast, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
-    plan = accelerate_model(fast, backend="cpu", dense_prefill_threshold=args.threshold,
-                            dense_weights=args.dense_weights, numpy_matvec=not args.no_numpy_matvec)
-    print(f"# {plan.summary()}")
+    plan = apply_fast_path(fast, backend="cpu", dense_prefill_threshold=args.threshold,
+                           dense_weights=args.dense_weights, numpy_matvec=not args.no_numpy_matvec,
+                           kernels=args.kernels, threads=args.threads)
+    for line in plan.details():
+        print(f"# {line}")
     for w in plan.warnings:
         print(f"# WARNING: {w}")
 

@@ -22,10 +22,11 @@ differs:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_unflatten
 
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -98,22 +99,29 @@ def checkpoint_float_dtype(model: nn.Module) -> mx.Dtype:
     return max(totals.items(), key=lambda kv: kv[1])[0]
 
 
-def cast_floating(model: nn.Module, dtype: mx.Dtype) -> nn.Module:
+def is_quant_param(path: str) -> bool:
+    """The scales/biases of a quantised layer (by name: every MLX quantised module uses these)."""
+    return path.endswith((".scales", ".biases"))
+
+
+def cast_floating(model: nn.Module, dtype: mx.Dtype, skip: Callable[[str], bool] | None = None) -> nn.Module:
     """Cast every floating parameter of ``model`` to ``dtype``, in place; returns the model.
 
     That covers float weights, embeddings, norms and the scales/biases of quantised layers, so
     activations flow in ``dtype``. Integer parameters (the packed uint32 weights of quantised
-    layers) are left untouched. Parameters already in ``dtype`` are not copied.
+    layers) are left untouched. Parameters already in ``dtype`` are not copied, nor those whose
+    dotted path ``skip`` accepts. One parameter is cast and evaluated at a time, so the peak
+    memory is the model plus its largest parameter, not the model plus a copy of every float.
     """
     if not is_floating(dtype):
         raise ValueError(f"cast_floating needs a floating dtype, got {dtype}")
-
-    def cast(p):
-        if isinstance(p, mx.array) and is_floating(p.dtype) and p.dtype != dtype:
-            return p.astype(dtype)
-        return p
-
-    model.update(tree_map(cast, model.parameters()))
+    for path, p in tree_flatten(model.parameters()):
+        if not is_floating(p.dtype) or p.dtype == dtype or (skip is not None and skip(path)):
+            continue
+        cast = p.astype(dtype)
+        mx.eval(cast)
+        model.update(tree_unflatten([(path, cast)]), strict=False)
+        del p, cast
     mx.eval(model.parameters())
     return model
 

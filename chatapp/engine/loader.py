@@ -40,6 +40,7 @@ from chatapp.engine.device import (
     cast_floating,
     checkpoint_float_dtype,
     dtype_name,
+    is_quant_param,
     pick_backend,
 )
 from chatapp.engine.modelconfig import config_value
@@ -931,12 +932,16 @@ def load_model(
     progress: Callable[[DownloadProgress], None] | None = None,
     dtype: str = "auto",
     offline: bool | None = None,
+    cast_scales: bool = True,
 ) -> LoadedModel:
     """Load a model from a local folder or a Hugging Face repo id.
 
     ``dtype``: "auto" (the backend's activation dtype: float32 on CPU, the checkpoint's own on
     GPU), "native" (leave the checkpoint as stored), or "float32"/"float16"/"bfloat16".
     ``offline``: never use the network (None: follow HF_HUB_OFFLINE).
+    ``cast_scales``: False leaves the scales/biases of quantised layers in the checkpoint's
+    dtype (the CPU kernels read float16 ones directly: half the bytes per token and no float32
+    copies); `chatapp.backend.cpu.accelerate_model` casts those of the layers MLX still runs.
     Raises ModelLoadError with a one-line reason.
     """
     target, do_cast = _target_dtype(dtype)
@@ -975,7 +980,7 @@ def load_model(
 
     if do_cast:
         final = target or checkpoint_float_dtype(model)
-        cast_floating(model, final)
+        cast_floating(model, final, skip=None if cast_scales else is_quant_param)
     else:
         mx.eval(model.parameters())
         final = checkpoint_float_dtype(model)

@@ -27,6 +27,8 @@ from cache import (
     total_usage,
 )
 
+from chatapp.backend.qlinear import last_position_only
+
 from .conversation import Conversation, PromptFormat
 from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
 from .stats import CacheView, StepStat, TurnStats
@@ -250,7 +252,8 @@ class Session:
         logits = None
         while done < len(tokens):
             chunk = tokens[done : done + step]
-            out = self.model(mx.array([chunk]), cache=self.caches)
+            with last_position_only():  # only logits[:, -1] is read: the CPU head skips the rest
+                out = self.model(mx.array([chunk]), cache=self.caches)
             done += len(chunk)
             self.cached.extend(chunk)
             if done < len(tokens):

@@ -19,7 +19,9 @@ class SetupError(Exception):
 def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
     """Load the model and give it the backend's fast path (the CPU plan is a no-op on GPUs)."""
     try:
-        loaded = load_model(config.model.id, progress=progress, dtype=config.model.dtype)
+        # scales stay as stored: the CPU kernels read float16 ones directly, and apply_fast_path
+        # casts those of the layers that MLX runs
+        loaded = load_model(config.model.id, progress=progress, dtype=config.model.dtype, cast_scales=False)
     except ModelLoadError as e:
         raise SetupError(str(e)) from None
     from chatapp.backend.cpu import apply_fast_path, physical_memory_bytes

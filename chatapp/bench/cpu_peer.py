@@ -1,0 +1,245 @@
+"""One peer of `chatapp bench cpu --geometry llama2-7b`, run in a process of its own.
+
+Each peer loads the model itself, so its load time and peak memory (``ru_maxrss``) are its
+own. It prints one JSON object on its last line of stdout. The orchestrator is cpu_flagship.py.
+
+    python -m chatapp.bench.cpu_peer {chatapp,mlx-lm,llama.cpp} SPEC.json
+
+SPEC holds: model (folder, or the GGUF file for llama.cpp), prompt (token ids, BOS first),
+short (prefix of the prompt for the greedy check), greedy (tokens decoded from it), decode
+(tokens decoded after the full prompt), contexts and modes (synthetic long-context decode),
+long_tokens (tokens decoded per long-context point), seed, threads.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _rate(n: int, seconds: float) -> float:
+    return n / seconds if seconds > 0 else float("nan")
+
+
+def _step_rate(stamps: list[float]) -> float:
+    """Decode tokens/s from the times tokens reached Python: 1 / median interval."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return 1.0 / statistics.median(gaps) if gaps else float("nan")
+
+
+def _fill_layer_by_layer(caches, geom, context: int, seed: int) -> None:
+    """Write ``context`` random float32 K/V tokens into each layer's cache, one layer at a time
+    (the whole synthetic history of a 7B model at 4,096 tokens would be another 4 GiB)."""
+    import mlx.core as mx
+
+    shape = (1, geom["kv_heads"], context, geom["head_dim"])
+    for i, c in enumerate(caches):
+        k1, k2 = mx.random.split(mx.random.key(seed * 1_000_003 + context * 101 + i))
+        k, v = mx.random.normal(shape, key=k1), mx.random.normal(shape, key=k2)
+        c.update_and_fetch(k, v)
+        mx.eval([s for s in c.state if s is not None] if isinstance(c.state, (list, tuple)) else c.state)
+    for c in caches:
+        c.offset  # run the maintenance (quantise / evict) the fill made due
+
+
+# --- chatapp ----------------------------------------------------------------------------------
+
+
+def _chatapp_prefill(model, caches, prompt: list[int], step: int = 512):
+    import mlx.core as mx
+
+    from chatapp.backend.qlinear import last_position_only
+
+    logits = None
+    for i in range(0, len(prompt), step):
+        with last_position_only():
+            out = model(mx.array([prompt[i : i + step]]), cache=caches)
+        if i + step < len(prompt):
+            mx.eval([c.state for c in caches])
+        else:
+            logits = out[:, -1, :]
+    return logits
+
+
+def _chatapp_decode(model, caches, logits, n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens with the next step queued before the current token is read (as the Session)."""
+    import mlx.core as mx
+
+    y = mx.argmax(logits, axis=-1)
+    mx.async_eval(y)
+    out, stamps = [], []
+    while True:
+        nxt = mx.argmax(model(y[None], cache=caches)[:, -1, :], axis=-1) if len(out) + 1 < n else None
+        if nxt is not None:
+            mx.async_eval(nxt)
+        out.append(int(y.item()))
+        stamps.append(time.perf_counter())
+        if nxt is None:
+            return out, stamps
+        y = nxt
+
+
+def run_chatapp(spec: dict) -> dict:
+    import mlx.core as mx
+
+    from cache import CacheSettings, make_caches, model_geometry
+    from chatapp.backend.cpu import apply_fast_path
+    from chatapp.config import CacheConfig
+    from chatapp.engine.loader import load_model
+
+    t0 = time.perf_counter()
+    lm = load_model(spec["model"], cast_scales=False)
+    plan = apply_fast_path(lm.model, backend="cpu", threads=spec.get("threads", 0))
+    load_s = time.perf_counter() - t0
+    model = lm.model
+    res: dict = {"peer": "chatapp", "load_s": load_s, "rss_after_load": _peak_rss(), "plan": plan.details(),
+                 "warm_up_s": plan.warm_up_seconds}
+
+    # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
+    from chatapp.backend.qlinear import _Routed
+
+    res["weight_bytes_per_token"] = sum(
+        m["weight"].nbytes + m["scales"].nbytes + m["biases"].nbytes
+        for _, m in model.named_modules() if isinstance(m, _Routed) and m.route == "kernel")
+
+    prealloc = CacheSettings(mode="prealloc")
+    caches = make_caches(model, prealloc)
+    short = spec["prompt"][: spec["short"]]
+    t = time.perf_counter()
+    logits = _chatapp_prefill(model, caches, short)
+    mx.eval(logits)
+    res["short_prefill_tok_s"] = _rate(len(short), time.perf_counter() - t)
+    res["greedy"], _ = _chatapp_decode(model, caches, logits, spec["greedy"])
+
+    caches = make_caches(model, prealloc)
+    t = time.perf_counter()
+    logits = _chatapp_prefill(model, caches, spec["prompt"])
+    mx.eval(logits)
+    res["prefill_tok_s"] = _rate(len(spec["prompt"]), time.perf_counter() - t)
+    _, stamps = _chatapp_decode(model, caches, logits, spec["decode"] + 1)
+    res["decode_tok_s"] = _step_rate(stamps)
+    res["peak_rss"] = _peak_rss()  # load + the 256-token turn: what the RSS target is about
+    del caches
+
+    geom = model_geometry(model)
+    g = {"kv_heads": geom.n_kv_heads, "head_dim": geom.head_dim}
+    defaults = CacheConfig()
+    res["long"] = []
+    for mode in spec["modes"]:
+        settings = CacheSettings(mode=mode, sinks=defaults.sinks, window=defaults.window,
+                                 evict_chunk=defaults.evict_chunk, kv_bits=defaults.kv_bits,
+                                 kv_group_size=defaults.kv_group_size, max_kv_tokens=max(spec["contexts"]) + 64,
+                                 quant_start=defaults.quant_start)
+        for ctx in spec["contexts"]:
+            caches = make_caches(model, settings)
+            _fill_layer_by_layer(caches, g, ctx, spec["seed"])
+            held = caches[0].offset
+            logits = model(mx.array([[spec["prompt"][-1]]]), cache=caches)[:, -1, :]
+            _, stamps = _chatapp_decode(model, caches, logits, spec["long_tokens"] + 1)
+            res["long"].append({"mode": mode, "context": ctx, "held": held, "decode_tok_s": _step_rate(stamps)})
+            del caches, logits
+            mx.clear_cache()
+    return res
+
+
+# --- mlx-lm -----------------------------------------------------------------------------------
+
+
+def run_mlx_lm(spec: dict) -> dict:
+    """mlx_lm.stream_generate on the same folder, read into mlx-lm's Llama with every float
+    parameter in float32 (MLX's fast CPU configuration: quantized_matmul is 2-30x slower with
+    half-precision scales or activations). mlx-lm's own ``load`` refuses this legacy layout."""
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from chatapp.engine.loader import load_model
+
+    t0 = time.perf_counter()
+    lm = load_model(spec["model"])
+    load_s = time.perf_counter() - t0
+    res: dict = {"peer": "mlx-lm", "load_s": load_s, "rss_after_load": _peak_rss()}
+    short = spec["prompt"][: spec["short"]]
+    t = time.perf_counter()
+    stamps, tokens = [], []
+    for r in stream_generate(lm.model, lm.tokenizer, mx.array(short), max_tokens=spec["greedy"]):
+        tokens.append(int(r.token))
+        stamps.append(time.perf_counter())
+    res["greedy"] = tokens
+    res["prefill_tok_s"] = _rate(len(short), stamps[0] - t)
+    res["decode_tok_s"] = _step_rate(stamps)
+    res["peak_rss"] = _peak_rss()
+    layer = lm.model.model.layers[0].self_attn
+    g = {"kv_heads": layer.n_kv_heads, "head_dim": layer.head_dim}
+    res["long"] = []
+    for ctx in spec["contexts"]:
+        cache = make_prompt_cache(lm.model)
+        _fill_layer_by_layer(cache, g, ctx, spec["seed"])
+        stamps = []
+        for _ in stream_generate(lm.model, lm.tokenizer, mx.array([spec["prompt"][-1]]), prompt_cache=cache,
+                                 max_tokens=spec["long_tokens"] + 1):
+            stamps.append(time.perf_counter())
+        res["long"].append({"mode": "mlx-lm KVCache", "context": ctx, "held": ctx, "decode_tok_s": _step_rate(stamps)})
+        del cache
+        mx.clear_cache()
+    return res
+
+
+# --- llama.cpp --------------------------------------------------------------------------------
+
+
+def run_llama_cpp(spec: dict) -> dict:
+    """llama.cpp through llama-cpp-python on the same weights as a Q4_0 GGUF (gguf.py)."""
+    import llama_cpp
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=max(len(spec["prompt"]) + spec["decode"] + 8, 512),
+                          n_threads=spec.get("threads") or None, n_batch=512, verbose=False)
+    res: dict = {"peer": "llama.cpp", "load_s": time.perf_counter() - t0, "rss_after_load": _peak_rss(),
+                 "version": getattr(llama_cpp, "__version__", "?")}
+
+    def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - t
+        out, stamps = [], []
+        for _ in range(n):
+            tok = llm.sample(top_k=1, temp=0.0)
+            out.append(int(tok))
+            stamps.append(time.perf_counter())
+            llm.eval([tok])
+        return out, prefill_s, stamps
+
+    res["greedy"], _, _ = generate(spec["prompt"][: spec["short"]], spec["greedy"])
+    _, prefill_s, stamps = generate(spec["prompt"], spec["decode"] + 1)
+    res["prefill_tok_s"] = _rate(len(spec["prompt"]), prefill_s)
+    res["decode_tok_s"] = _step_rate(stamps)
+    res["peak_rss"] = _peak_rss()
+    res["long"] = []
+    return res
+
+
+PEERS = {"chatapp": run_chatapp, "mlx-lm": run_mlx_lm, "llama.cpp": run_llama_cpp}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in PEERS:
+        print(f"usage: python -m chatapp.bench.cpu_peer {{{','.join(PEERS)}}} SPEC.json", file=sys.stderr)
+        return 2
+    with open(argv[1]) as f:
+        spec = json.load(f)
+    res = PEERS[argv[0]](spec)
+    print(json.dumps(res, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
