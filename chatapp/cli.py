@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides_from(args))
         if args.show_config:
             print(config.describe_text())
+            _print_cpu_backend(config)
             return 0
         if args.resume is not None:
             args.resume_id = _resume_target(args, config)
@@ -154,6 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("chatapp: interrupted", file=sys.stderr)
         return 130
+
+
+def _print_cpu_backend(config) -> None:
+    """The CPU backend's detected BLAS, kernels and route rules (on Linux, where MLX runs on
+    the CPU unless a GPU build is installed)."""
+    if not sys.platform.startswith("linux"):
+        return
+    from .backend.describe import cpu_backend_lines
+
+    print("\n# CPU backend (detected now; the model's own routes show with --verbose and in the TUI's notes)")
+    for line in cpu_backend_lines(config.cpu):
+        print(f"# {line}")
 
 
 def _launched_distributed() -> bool:

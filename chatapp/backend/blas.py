@@ -41,6 +41,7 @@ from pathlib import Path
 
 SYMBOL = "cblas_sgemm"
 INSTALL_HINT = (
+    "optional, chatapp's CPU kernels need none (it speeds up only products MLX runs itself): "
     "install an optimised BLAS: `sudo apt-get install libopenblas0-pthread` (Debian/Ubuntu), "
     "`sudo dnf install openblas-threads` (Fedora), `sudo pacman -S openblas` (Arch); or "
     "`pip install ngsolve-openblas` (needs the system's libgfortran.so.5); or point the `blas` "
@@ -172,6 +173,24 @@ def verify_blas(path: str) -> tuple[bool, str]:
             return False, f"exports {prefixed[0]} but not {SYMBOL}: a symbol-prefixed build MLX cannot use"
         return False, f"does not export {SYMBOL}"
     return True, f"exports {SYMBOL}"
+
+
+def probe_blas(setting: str = "auto") -> str:
+    """What ``preload_blas(setting)`` would load, found without loading anything globally
+    (for --show-config, which imports no MLX)."""
+    if not sys.platform.startswith("linux"):
+        return f"not needed on {sys.platform}: MLX uses the platform's own BLAS"
+    setting = str(setting).strip() or "auto"
+    if setting.lower() == "off":
+        return "off: MLX's own dense products use its bundled reference BLAS"
+    paths = [(label, p) for label, p in candidate_paths()] if setting.lower() == "auto" else [("cpu.blas", setting)]
+    for label, path in paths:
+        if os.path.isabs(path) and not os.path.exists(path):
+            continue
+        if verify_blas(path)[0]:
+            return f"{path} ({label}) for MLX's own dense products"
+    return ("none found: MLX's own dense products use its bundled reference BLAS (chatapp's CPU kernels "
+            "and numpy's bundled OpenBLAS do the heavy products without one)")
 
 
 # --- internals -------------------------------------------------------------------------------

@@ -79,16 +79,17 @@ class CpuPlan:
     warm_up_seconds: float = 0.0  # compiling / loading the kernels the plan uses
 
     def route_lines(self) -> list[str]:
-        """One line per kind of layer and route: "q_proj x32: kernel (4-bit, group 64)"."""
-        groups: dict[tuple, list[LayerRoute]] = {}
+        """One line per route and reason, naming the kinds of layer that take it:
+        "q_proj x32, k_proj x32, ..., lm_head: kernel (4-bit, group 64)"."""
+        groups: dict[tuple, dict[str, int]] = {}
         for r in self.routes:
-            detail = f"{r.bits}-bit, group {r.group_size}"
-            key = (r.kind, r.route, detail if r.route != "mlx" or not r.why else f"{detail}: {r.why}")
-            groups.setdefault(key, []).append(r)
+            key = (r.route, f"{r.bits}-bit, group {r.group_size}", r.why if r.route != "kernel" else "")
+            kinds = groups.setdefault(key, {})
+            kinds[r.kind] = kinds.get(r.kind, 0) + 1
         lines = []
-        for (kind, route, why), members in groups.items():
-            count = f" x{len(members)}" if len(members) > 1 else ""
-            lines.append(f"{kind}{count}: {route} ({why})")
+        for (route, detail, why), kinds in groups.items():
+            names = ", ".join(f"{k} x{n}" if n > 1 else k for k, n in kinds.items())
+            lines.append(f"{names}: {route} ({detail}{'; ' + why if why else ''})")
         return lines
 
     def summary(self) -> str:
@@ -111,6 +112,10 @@ class CpuPlan:
             parts.append(f"prefill gemm: {self.gemm}")
         parts.append(f"MLX's BLAS: {'optimised' if self.blas_loaded else 'bundled reference'}")
         return "; ".join(p for p in parts if p) + tail
+
+    def headline(self) -> str:
+        """The summary without its "cpu fast path:" label."""
+        return self.summary().removeprefix("cpu fast path: ")
 
     def details(self) -> list[str]:
         """The summary, then the route of each kind of layer and why (for --verbose and notes)."""
@@ -182,6 +187,7 @@ def accelerate_model(
         plan.reason = "the model has no quantised layers"
         return plan
     targets.sort(key=lambda t: _natural(t[0]))  # model order: layers.2 before layers.10
+    targets.sort(key=lambda t: isinstance(t[1], nn.QuantizedEmbedding) or t[0].rsplit(".", 1)[-1] in ("lm_head", "output"))
 
     kernels_ok, kernels_why = _kernels_available(kernels, threads, plan)
     replaced = {}
@@ -231,8 +237,11 @@ def accelerate_model(
     if dense_weights == "auto" and not blas.loaded and not kernels_ok:
         reasons.append("no float32 copies kept: no optimised BLAS loaded")
     plan.reason = "; ".join(reasons) or "ok"
-    if not blas.loaded and any(r.route == "mlx" for r in plan.routes):
-        plan.warnings.append(f"no optimised BLAS: MLX-routed prefill products run on MLX's reference BLAS ({blas.reason})")
+    big_mlx = [r.name for r in plan.routes if r.route == "mlx" and r.shape[0] * r.shape[1] >= NUMPY_MIN_ELEMENTS]
+    if not blas.loaded and big_mlx:
+        plan.warnings.append(
+            f"{len(big_mlx)} large layers run on MLX (see the routes) and no optimised BLAS is loaded: their "
+            f"prefill products use MLX's reference BLAS ({blas.reason})")
     kernel_params = {f"{n}.{leaf}" for n in plan.kernel_layers for leaf in ("scales", "biases")}
     low = sorted({str(p.dtype) for path, p in _flat_params(model) if mx.issubdtype(p.dtype, mx.floating)
                   and p.dtype != mx.float32 and path not in kernel_params})

@@ -197,7 +197,8 @@ class _Routed:
             return f"quantisation mode {self.mode!r} has no biases (kernels: affine)"
         out, inp = self.shape
         if out * inp < min_elements:
-            return f"{out}x{inp} is small: handing it to a kernel costs more than MLX's product"
+            side = int(min_elements**0.5)
+            return f"under {side}x{side}: handing it to a kernel costs more than MLX's product"
         return unsupported(self.bits, self.group_size, inp, self.mode)
 
     def use_kernel(self, kernel_max_tokens: int) -> None:

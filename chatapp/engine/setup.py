@@ -69,7 +69,7 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
     session.model_id = loaded.model_id
     plan = getattr(loaded, "cpu_plan", None)
     if plan is not None and plan.applied:
-        session.notices.append(f"CPU fast path: {plan.summary()}")
+        session.notices.append(f"CPU fast path: {plan.headline()}")
         session.notices.append(f"CPU routes: {'; '.join(plan.route_lines())}")
     if plan is not None:
         session.notices.extend(plan.warnings)
