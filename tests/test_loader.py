@@ -16,6 +16,7 @@ from mlx.utils import tree_flatten
 
 from chatapp.engine import device, loader
 from chatapp.engine.device import BackendInfo, cast_floating, checkpoint_float_dtype, pick_backend
+from chatapp.engine.legacy import load_legacy_tokenizer
 from chatapp.engine.loader import (
     DownloadProgress,
     ModelLoadError,
@@ -312,7 +313,7 @@ def test_legacy_tokenizer_matches_sentencepiece(stories_path, tmp_path):
     import sentencepiece as spm
 
     path = make_legacy_stories(stories_path, tmp_path / "legacy")
-    tok = loader._load_legacy_tokenizer(path)
+    tok = load_legacy_tokenizer(path)
     sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
     for s in ["Once upon a time,", " leading space", "a\nb\n\nc", "Hello  world", "héllo 你好 🙂",
               "  two", "end. ", 'Lily said: "Hi!"', "", " ", "x"]:
