@@ -12,6 +12,9 @@ import httpx2
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from chatapp.engine import device, loader
@@ -30,6 +33,7 @@ from chatapp.engine.loader import (
     weights_fingerprint,
 )
 from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from tests.conftest import SHARED_MODELS
 
 HASH = "0123456789abcdef0123456789abcdef01234567"
 
@@ -307,18 +311,42 @@ def test_legacy_stories_matches_original(stories_path, tmp_path):
     assert detok.text.strip() == "The cat sat on the mat."
 
 
-def test_legacy_tokenizer_matches_sentencepiece(stories_path, tmp_path):
-    if not (stories_path / "tokenizer.model").exists():
-        pytest.skip("stories260K has no tokenizer.model")
+# Text that exercises SentencePiece's whitespace rules: runs of spaces, spaces at either end,
+# next to newlines and tabs, characters the vocabulary lacks (byte fallback).
+_SPM_TEXT = st.lists(st.sampled_from(list("ab cd\n\t.,!?xyz 123 ABCé") + [
+    "  ", "   ", "你", "🙂", "[INST]", "<<SYS>>", "hello", " world", "the", "ing", "\u00a0", "\r\n"]),
+    max_size=30).map("".join)
+_SPM_FIXED = ["Once upon a time,", " leading space", "a\nb\n\nc", "Hello  world", "héllo 你好 🙂", "  two",
+              "end. ", 'Lily said: "Hi!"', "", " ", "x", "a\n b", "\tTab", "x\n  y", "[INST] hi [/INST] Hello "]
+
+
+def spm_tokenizer_folder(tmp_path_factory, source: Path) -> Path:
+    if not source.exists():
+        pytest.skip(f"needs {source} (../shared is absent)")
+    path = tmp_path_factory.mktemp("spm")
+    shutil.copyfile(source, path / "tokenizer.model")
+    return path
+
+
+@pytest.mark.parametrize("model", ["stories260K", "llama2-tokenizer"])
+def test_legacy_tokenizer_matches_sentencepiece(model, tmp_path_factory):
+    """Token ids equal SentencePiece's own for any text: stories260K removes extra whitespace,
+    Llama 2 keeps it (and scores whitespace-only pieces last)."""
     import sentencepiece as spm
 
-    path = make_legacy_stories(stories_path, tmp_path / "legacy")
+    path = spm_tokenizer_folder(tmp_path_factory, SHARED_MODELS / model / "tokenizer.model")
     tok = load_legacy_tokenizer(path)
     sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
-    for s in ["Once upon a time,", " leading space", "a\nb\n\nc", "Hello  world", "héllo 你好 🙂",
-              "  two", "end. ", 'Lily said: "Hi!"', "", " ", "x"]:
+    for s in _SPM_FIXED:
         assert tok.encode(s) == [sp.bos_id()] + sp.encode(s), s
         assert tok.decode(tok.encode(s), skip_special_tokens=True) == sp.decode(sp.encode(s)), s
+
+    @hsettings(max_examples=400, deadline=None)
+    @given(_SPM_TEXT)
+    def same_ids(s):
+        assert tok.encode(s, add_special_tokens=False) == sp.encode(s)
+
+    same_ids()
 
 
 def test_legacy_quantized_random_model(stories_path, tmp_path):

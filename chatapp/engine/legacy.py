@@ -157,54 +157,85 @@ def load_legacy_model(path: Path, files: list[Path], where: str) -> tuple[nn.Mod
     return model, config
 
 
-def _spm_detect_normalization(sp) -> tuple[bool, bool]:
-    """(strips ends, collapses inner runs of spaces): SentencePiece's remove_extra_whitespaces."""
-    strips = sp.encode("a ") == sp.encode("a") and sp.encode(" a") == sp.encode("a")
-    collapses = sp.encode("a  b") == sp.encode("a b")
-    return strips, collapses
+# SentencePiece's split_by_whitespace: a "word" starts at a space ("▁"); with
+# allow_whitespace_only_pieces a run of spaces stays with the word that follows it.
+_SPM_WORDS = {True: "\u2581*[^\u2581]+|\u2581+", False: "\u2581[^\u2581]*|[^\u2581]+"}
+_SPM_NORMAL = 1  # ModelProto.SentencePiece.Type.NORMAL
+
+
+def _score_ordered_merges(proto) -> list[tuple[str, str]]:
+    """BPE merges ranked as SentencePiece applies them: by the score of the merged piece.
+
+    transformers ranks merges by piece id, which puts whitespace-only pieces (ids 259+ in Llama 2,
+    score -1e9, merged last by SentencePiece) first: "a  b" became "▁a", "▁▁", "b" instead of
+    "▁a", "▁", "▁b".
+    """
+    pieces = {p.piece: (i, p.score) for i, p in enumerate(proto.pieces) if p.type == _SPM_NORMAL}
+    ranked = []
+    for piece, (i, score) in pieces.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in pieces and right in pieces:
+                ranked.append((-score, i, pieces[left][0], left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _exact_sentencepiece(backend, model_file: Path) -> None:
+    """Make a converted fast tokenizer encode exactly as SentencePiece does.
+
+    SentencePiece normalises (remove_extra_whitespaces strips and collapses spaces; the "▁" dummy
+    prefix goes before every string, even one starting with a space; spaces become "▁"), splits
+    the text into whitespace-led words and runs BPE on each by piece score. The conversion
+    prepends the dummy prefix only where the text does not already start with a space, runs BPE
+    over the whole text, and ranks merges by piece id; each of those changes ids (Llama 2:
+    " Hello", "a  b"). Unigram models keep the conversion's model.
+    """
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, models, normalizers, pre_tokenizers
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    spec, trainer = proto.normalizer_spec, proto.trainer_spec
+    steps = [backend.normalizer] if backend.normalizer is not None else []  # a precompiled charsmap
+    if spec.remove_extra_whitespaces:
+        # Only the space character counts here (a newline or tab at either end is kept).
+        steps += [normalizers.Replace(Regex(r"\A +| +\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if spec.add_dummy_prefix:
+        steps.append(normalizers.Prepend("\u2581"))
+    steps.append(normalizers.Replace(" ", "\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
+    if trainer.split_by_whitespace and not trainer.treat_whitespace_as_suffix:
+        words = Regex(_SPM_WORDS[bool(trainer.allow_whitespace_only_pieces)])
+        backend.pre_tokenizer = pre_tokenizers.Split(words, behavior="isolated")
+    else:
+        backend.pre_tokenizer = None
+    if trainer.model_type == sentencepiece_model_pb2.TrainerSpec.BPE:
+        vocab = {p.piece: i for i, p in enumerate(proto.pieces)}
+        backend.model = models.BPE(vocab, _score_ordered_merges(proto), unk_token=trainer.unk_piece,
+                                   fuse_unk=True, byte_fallback=trainer.byte_fallback)
 
 
 def load_legacy_tokenizer(path: Path, eos_token_ids=None):
     """A TokenizerWrapper built from a bare SentencePiece ``tokenizer.model``.
 
     transformers converts it into a fast Llama tokenizer (BOS added, as mlx-examples did by
-    hand). SentencePiece models trained with ``remove_extra_whitespaces`` (the default) strip
-    and collapse spaces before encoding; the conversion drops that, so it is put back as a
-    normaliser, keeping token ids identical to SentencePiece's.
+    hand, special tokens, decoder); its normaliser, pre-tokeniser and merges are then rebuilt
+    from the SentencePiece model so that token ids are identical to SentencePiece's (see
+    :func:`_exact_sentencepiece`).
     """
-    import sentencepiece as spm
     from mlx_lm import tokenizer_utils as tu
-    from tokenizers import Regex, normalizers, pre_tokenizers
     from transformers import LlamaTokenizer
     from transformers.utils import logging as hf_logging
 
-    model_file = path / "tokenizer.model"
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
         tokenizer = LlamaTokenizer.from_pretrained(str(path), add_bos_token=True, add_eos_token=False)
     finally:
         hf_logging.set_verbosity(verbosity)
-
-    sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    strips, collapses = _spm_detect_normalization(sp)
     backend = tokenizer.backend_tokenizer
-    extra = []
-    if strips:
-        extra.append(normalizers.Strip(left=True, right=True))
-    if collapses:
-        extra.append(normalizers.Replace(Regex(" {2,}"), " "))
-    if extra:
-        if backend.normalizer is not None:
-            extra.append(backend.normalizer)
-        backend.normalizer = normalizers.Sequence(extra)
-        # The converted tokenizer prepends the "▁" dummy prefix only to text at offset 0 of the
-        # input ("first"); once leading spaces are stripped the text starts later, so prepend it
-        # to every piece of text, as SentencePiece does to every string it encodes.
-        dummy_prefix = bool(sp.encode("a", out_type=str)) and sp.encode("a", out_type=str)[0].startswith("\u2581")
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="always" if dummy_prefix else "never", split=False
-        )
+    _exact_sentencepiece(backend, path / "tokenizer.model")
 
     detokenizer_class = tu.NaiveStreamingDetokenizer
     try:
