@@ -582,16 +582,56 @@ def one_line_error(spec, **kwargs) -> str:
     return message
 
 
+def fake_search(monkeypatch, found: dict[str, list[str]] | Exception) -> list[str]:
+    """HfApi.list_models answering ``found[search]`` (ids under mlx-community), or failing; returns
+    the searches made."""
+    import huggingface_hub
+
+    searches = []
+
+    def list_models(self, *, author=None, search=None, limit=None, **kwargs):
+        searches.append(search)
+        assert author == "mlx-community" and limit
+        if isinstance(found, Exception):
+            raise found
+        return iter([SimpleNamespace(id=i) for i in found.get(search, [])][:limit])
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_models", list_models)
+    return searches
+
+
 def test_error_unknown_repo(monkeypatch, hf_cache):
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    fake_search(monkeypatch, httpx2.ConnectError("the search fails: no suggestions"))
     fake_snapshot(monkeypatch, RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found",
                                                        response=hub_response()))
     msg = one_line_error("mlx-community/no-such-model")
-    assert msg.startswith("unknown model 'mlx-community/no-such-model'")
+    assert msg == ("unknown model 'mlx-community/no-such-model': no such repository on Hugging Face "
+                   "(check the name; private repositories need `hf auth login`)")
 
     fake_snapshot(monkeypatch, GatedRepoError("403 gated", response=hub_response(403)))
     assert "gated" in one_line_error("meta-llama/Llama-2-7b")
+
+
+def test_unknown_repo_lists_close_mlx_community_names(monkeypatch, hf_cache):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    hits = ["mlx-community/CodeLlama-7b-Python-4bit-MLX", "mlx-community/Llama-2-7b-chat-4-bit",
+            "mlx-community/Llama-2-7b-mlx", "mlx-community/Llama-2-7b-chat-mlx", "mlx-community/Llama-2-7b-4bit-ft",
+            "mlx-community/Meta-Llama-3-8B-Instruct-4bit", "mlx-community/Llama-2-7b-hf-4bit"]
+    searches = fake_search(monkeypatch, {"Llama-2-7b": hits})
+    fake_snapshot(monkeypatch, RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found",
+                                                       response=hub_response()))
+    msg = one_line_error("mlx-community/Llama-2-7b-4bit")
+    # The exact name finds nothing, so the search is shortened at a separator until it does.
+    assert searches == ["Llama-2-7b-4bit", "Llama-2-7b"]
+    head, _, names = msg.partition("; close mlx-community names: ")
+    assert head == "unknown model 'mlx-community/Llama-2-7b-4bit': no such repository on Hugging Face"
+    listed = names.split(", ")
+    assert len(listed) == 5 and set(listed) <= set(hits)
+    assert listed[0] == "mlx-community/Llama-2-7b-4bit-ft"  # the closest name first
+    assert "mlx-community/Meta-Llama-3-8B-Instruct-4bit" not in listed
 
 
 @pytest.mark.parametrize("make_error", [

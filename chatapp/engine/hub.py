@@ -20,7 +20,7 @@ from tqdm.std import tqdm as _std_tqdm
 
 from chatapp.engine.modelfiles import ModelLoadError, folder_complete, one_line
 
-__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "progress_tqdm_class", "resolve_model_path"]
+__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "close_repo_names", "local_model_path", "progress_tqdm_class", "resolve_model_path"]
 
 # What a model download fetches: config, weights (mlx-lm safetensors or legacy npz) and every
 # kind of tokenizer file. Custom *.py model code is fetched but never run (trust_remote_code
@@ -277,6 +277,10 @@ def _hub_error(repo_id: str, err: BaseException, cache_dir: Path,
             "and log in (`hf auth login`) to download it"
         )
     if isinstance(err, RepositoryNotFoundError):
+        close = close_repo_names(repo_id)
+        if close:
+            return ModelLoadError(f"unknown model {repo_id!r}: no such repository on Hugging Face; close "
+                                  f"{SUGGEST_AUTHOR} names: {', '.join(close)}")
         return ModelLoadError(
             f"unknown model {repo_id!r}: no such repository on Hugging Face "
             "(check the name; private repositories need `hf auth login`)"
@@ -296,6 +300,48 @@ def _hub_error(repo_id: str, err: BaseException, cache_dir: Path,
     return None
 
 
+SUGGEST_AUTHOR = "mlx-community"  # where close names for an unknown repo id are looked for
+_SUGGEST_QUERIES = 4  # hub searches at most, each a shorter prefix of the name
+
+
+def _search_queries(name: str) -> list[str]:
+    """"Llama-2-7b-4bit" -> ["Llama-2-7b-4bit", "Llama-2-7b", "Llama-2", "Llama"]: the hub searches
+    by substring, so a name that does not exist is shortened at its separators until some match."""
+    cuts = [m.start() for m in re.finditer(r"[-_. ]", name)] + [len(name)]
+    queries = [name[:cut] for cut in reversed(cuts) if cut >= 3]
+    return list(dict.fromkeys(queries or [name]))[:_SUGGEST_QUERIES]
+
+
+def close_repo_names(repo_id: str, limit: int = 5) -> list[str]:
+    """Up to ``limit`` repo ids of :data:`SUGGEST_AUTHOR` closest to ``repo_id`` by name, from the
+    hub's search; [] when the search fails (it is only a hint)."""
+    import difflib
+
+    from huggingface_hub import HfApi
+    from huggingface_hub.utils import logging as hub_logging
+
+    name = repo_id.rsplit("/", 1)[-1]
+    found: dict[str, None] = {}
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # no "Retrying in 1s" lines around a one-line error
+    try:
+        for query in _search_queries(name):
+            for model in HfApi().list_models(author=SUGGEST_AUTHOR, search=query, limit=100):
+                if model.id != repo_id:
+                    found[model.id] = None
+            if len(found) >= limit:
+                break
+    except Exception:  # noqa: BLE001 - no suggestions then
+        return []
+    finally:
+        hub_logging.set_verbosity(verbosity)
+
+    def closeness(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, name.lower(), candidate.rsplit("/", 1)[-1].lower()).ratio()
+
+    return sorted(found, key=lambda c: (-closeness(c), c))[:limit]
+
+
 def _download_plan(repo_id: str, cache_dir: Path) -> list[tuple[str, int]] | None:
     """The files snapshot_download will fetch, in order, with sizes (None if unknown).
 
@@ -312,6 +358,24 @@ def _download_plan(repo_id: str, cache_dir: Path) -> list[tuple[str, int]] | Non
     except Exception:
         return None
     return [(info.filename, int(info.file_size or 0)) for info in infos if info.will_download]
+
+
+def local_model_path(spec: str) -> tuple[Path, str] | None:
+    """(path, model_id) of ``spec`` when it is on disk already (a folder, or a repo in the hub
+    cache), else None; never touches the network."""
+    local = Path(spec).expanduser()
+    if local.is_dir():
+        return local.resolve(), local.resolve().name
+    if _looks_like_path(spec):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(spec, allow_patterns=ALLOW_PATTERNS, cache_dir=str(_hf_cache_dir()),
+                                 local_files_only=True)
+    except Exception:  # noqa: BLE001 - not cached (or not a valid id): unknown until it is downloaded
+        return None
+    return Path(path), spec
 
 
 def resolve_model_path(
