@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.conversation import Conversation, PromptFormat
+from chatapp.engine.conversation import Conversation
+from chatapp.engine.formats import PromptFormat
 from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone, run_turn
 from chatapp.engine.session import Session, compare_modes
 
@@ -141,7 +142,7 @@ def test_eviction_tracks_what_the_model_still_sees(stories):
 def test_plain_transcript_format_for_models_without_template(stories):
     model, tok = stories
     fmt = PromptFormat.for_tokenizer(tok)
-    assert fmt.fmt == "plain"
+    assert fmt.name == "plain"
     conv = Conversation.start("Be kind.")
     conv.add("user", "Hi")
     conv.add("assistant", "Hello")
