@@ -34,6 +34,7 @@ from tests.chat_folders import (
     scripted_llama,
     sp_ids,
 )
+from tests.test_session import regenerate_and_edit
 
 REPO = Path(__file__).resolve().parent.parent
 SYSTEM = "Always answer with  care."
@@ -162,21 +163,25 @@ def test_base_model_naming_gets_plain_text(llama2_base):
     three_turns_reuse(s, end_of_turn=0)  # plain text has no end-of-turn token: "\n\n" follows the reply
 
 
+def test_mistral_format_on_ids_and_reuses_every_reply(llama2_chat):
+    folder, lm = llama2_chat
+    s = session_from_config(config_for(folder, **{"chat.format": "mistral"}), lm)
+    assert s.format_choice.describe() == "mistral (chat.format, command line)"
+    # mistral_common's v1 tokenizer: one BOS, each [INST] turn and each reply encoded on its own,
+    # EOS after a reply; the system prompt opens the first user message.
+    turns = [f"[INST] {SYSTEM}\n\n{DIALOG[0][1]} [/INST]", DIALOG[1][1], f"[INST] {DIALOG[2][1]} [/INST]", DIALOG[3][1],
+             f"[INST] {DIALOG[4][1]} [/INST]"]
+    expected = [1] + sp_ids(turns[0]) + sp_ids(turns[1]) + [EOS] + sp_ids(turns[2]) + sp_ids(turns[3]) + [EOS] + \
+        sp_ids(turns[4])
+    assert s.format.tokens(dialog_conversation()) == expected
+    three_turns_reuse(s, end_of_turn=1)
+
+
 @pytest.mark.parametrize("which", ["llama2_chat", "chatml_chat"])
 def test_regenerate_and_edit_last_keep_prefix_reuse(which, request):
     folder, lm = request.getfixturevalue(which)
-    s = session_from_config(config_for(folder), lm)
-    run_turn(s.send(QUESTIONS[0]))
-    first = run_turn(s.send(QUESTIONS[1]))
-    again = run_turn(s.regenerate())
-    assert again.text == first.text
-    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1  # only the last token re-runs
-    head = s.conversation.copy()
-    del head.messages[head.last_index("user"):]
-    unchanged = len(s.format.tokens(head, generation_prompt=False))
-    edited = run_turn(s.edit_last("Where did the dog go?"))
-    assert edited.stats.reused_tokens >= unchanged
-    assert edited.stats.prefill_tokens == edited.stats.prompt_tokens - edited.stats.reused_tokens
+    edited = regenerate_and_edit(session_from_config(config_for(folder), lm))
+    assert edited.text == REPLY
 
 
 # ---- stops ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .formats import CHATML_TOKENS, has_chat_template
+from .formats import CHATML_TOKENS, has_chat_template, vocab_ids
 
 # (pattern on the lower-cased model id, format), first match wins.
 ID_PATTERNS = (
@@ -48,8 +48,8 @@ class RepoFacts:
 
     @classmethod
     def from_tokenizer(cls, model_id: str, config: dict, tokenizer) -> "RepoFacts":
-        vocab = tokenizer.get_vocab()
-        return cls(model_id, dict(config), has_chat_template(tokenizer), all(t in vocab for t in CHATML_TOKENS))
+        chatml = len(vocab_ids(tokenizer, CHATML_TOKENS)) == len(CHATML_TOKENS)
+        return cls(model_id, dict(config), has_chat_template(tokenizer), chatml)
 
     @classmethod
     def from_folder(cls, model_id: str, path: Path) -> "RepoFacts":

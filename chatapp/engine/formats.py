@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -63,14 +64,23 @@ def encode_text(tokenizer, text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _reply(m: Message, strip: bool = True) -> str:
-    """The reply as rendered: as generated when known, else its (stripped) content."""
+def vocab_ids(tokenizer, tokens) -> dict[str, int]:
+    """The ids of those of ``tokens`` that are single tokens of the tokenizer's vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):  # a tokenizer that cannot list its vocabulary
+        return {}
+    return {t: vocab[t] for t in tokens if t in vocab}
+
+
+def _reply(m: Message, strip: bool) -> str:
+    """The reply as rendered: as generated when known, else its content (stripped if ``strip``)."""
     if m.raw is not None:
         return m.raw
     return m.content.strip() if strip else m.content
 
 
-class PromptFormat:
+class PromptFormat(ABC):
     """Renders a conversation into token ids (see the module docstring).
 
     ``name`` is the format's name; ``key`` identifies the exact rendering (snapshots and stored
@@ -101,11 +111,13 @@ class PromptFormat:
         """Token ids that end a reply besides the tokenizer's EOS."""
         return frozenset()
 
+    @abstractmethod
     def text(self, conv: Conversation, generation_prompt: bool = True) -> str:
-        raise NotImplementedError
+        """The conversation as text (for a format on ids: with BOS/EOS written as <s>, </s>)."""
 
+    @abstractmethod
     def tokens(self, conv: Conversation, generation_prompt: bool = True) -> list[int]:
-        raise NotImplementedError
+        """The token ids the model sees; ``generation_prompt`` adds the assistant's turn opener."""
 
     def rendering(self, conv: Conversation, generation_prompt: bool = True) -> Hashable:
         """What exactly is tokenised: equal renderings give equal token ids."""
@@ -164,18 +176,18 @@ class RawFormat(_TextFormat):
         return "".join(m.content if m.raw is None else m.raw for m in conv.messages)
 
 
-class ChatMLFormat(_TextFormat):
+class ChatMLFormat(PromptFormat):
     name = "chatml"
     stop_strings = CHATML_TOKENS
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer)
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in CHATML_TOKENS if t not in vocab]
+        ids = vocab_ids(tokenizer, CHATML_TOKENS)
+        missing = [t for t in CHATML_TOKENS if t not in ids]
         if missing:
             raise FormatError(f"the chatml format needs the tokens {' and '.join(CHATML_TOKENS)}, "
                               f"which this tokenizer lacks ({', '.join(missing)})")
-        self._ids = frozenset(vocab[t] for t in CHATML_TOKENS)
+        self._ids = frozenset(ids.values())
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -259,8 +271,9 @@ class _SegmentFormat(PromptFormat):
     def stop_token_ids(self) -> frozenset[int]:
         return frozenset({self.eos_id})
 
+    @abstractmethod
     def segments(self, conv: Conversation) -> list[Segment]:
-        raise NotImplementedError
+        """The conversation as segments, in order."""
 
     def rendering(self, conv: Conversation, generation_prompt: bool = True) -> Hashable:
         return tuple(self.segments(conv))
@@ -307,7 +320,7 @@ class Llama2Format(_SegmentFormat):
             if user is not None and system:  # the system block opens the first user message
                 user, system = f"<<SYS>>\n{system}\n<</SYS>>\n\n{user}", ""
             if user is None:
-                out.append(Segment(_reply(reply), eos=True))
+                out.append(Segment(_reply(reply, strip=True), eos=True))
             elif reply is None:
                 out.append(Segment(f"[INST] {user.strip()} [/INST]", bos=True))
             elif reply.raw is None:
