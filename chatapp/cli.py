@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from .config import CACHE_MODES, ConfigError, load_config
+from .config import CACHE_MODES, CHAT_FORMATS, ConfigError, load_config
 
 
 # flag dest -> dotted config key
@@ -22,6 +22,8 @@ FLAG_KEYS = {
     "dtype": "model.dtype",
     "system": "chat.system",
     "raw": "chat.raw",
+    "chat_format": "chat.format",
+    "chat_template": "chat.template",
     "temp": "sampling.temp",
     "top_p": "sampling.top_p",
     "top_k": "sampling.top_k",
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--prompt", help="one turn with this text (with --no-tui)")
     p.add_argument("--system", help="system prompt")
     p.add_argument("--raw", action="store_true", default=None, help="send text with no chat template at all")
+    p.add_argument("--chat-format", metavar="NAME",
+                   help=f"prompt format: {', '.join(CHAT_FORMATS)} (default auto: see README, Prompt formats)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template file to use instead")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     g = p.add_argument_group("sampling")
     g.add_argument("--temp", type=float)
@@ -126,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides_from(args))
         if args.show_config:
             print(config.describe_text())
+            print(f"# {describe_format(config)}")
             _print_cpu_backend(config)
             return 0
         if args.resume is not None:
@@ -155,6 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("chatapp: interrupted", file=sys.stderr)
         return 130
+
+
+def describe_format(config) -> str:
+    """The prompt format the model would get and why, from its files when they are on disk
+    (nothing is loaded or downloaded)."""
+    from .engine.formatchoice import FormatRequest, RepoFacts, choose_format
+    from .engine.hub import local_model_path
+
+    request = FormatRequest.from_config(config)
+    spec = config.model.id
+    found = local_model_path(spec)
+    if found is None and request.format == "auto" and not request.template and not request.raw:
+        return (f"prompt format: chosen when {spec} is downloaded (auto: its chat template, else what its id "
+                "and files tell)")
+    facts = RepoFacts.from_folder(found[1], found[0]) if found else RepoFacts(spec, {}, False, False)
+    return choose_format(request, facts).line()
 
 
 def _print_cpu_backend(config) -> None:
@@ -243,6 +265,8 @@ def run_no_tui(args, config, blas) -> int:
     loaded = load_engine(config)
     _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
     session = session_from_config(config, loaded)
+    if args.verbose and session.format_choice is not None:
+        print(f"chatapp: {session.format_choice.line()}", file=sys.stderr)
     for note in session.notices:
         print(f"chatapp: note: {note}", file=sys.stderr)
     out = sys.stdout

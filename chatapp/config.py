@@ -40,6 +40,7 @@ __all__ = [
     "APP_NAME",
     "CONFIG_DIR_ENV",
     "CACHE_MODES",
+    "CHAT_FORMATS",
     "SOURCE_DEFAULT",
     "SOURCE_COMMAND_LINE",
     "ConfigError",
@@ -66,6 +67,8 @@ CONFIG_FILE_NAME = "config.toml"
 # The cache modes a user can choose ("auto" plus cache.settings.MODES); kept here, MLX-free,
 # for the CLI and the UI.
 CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant")
+# The prompt formats ("auto" plus engine.formats.FORMAT_NAMES).
+CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
 
 SOURCE_DEFAULT = "default"
 SOURCE_COMMAND_LINE = "command line"
@@ -333,6 +336,8 @@ class ChatConfig:
 
     system: str = _setting("", _Str())
     raw: bool = _setting(False, _Bool())
+    format: str = _setting("auto", _Choice(*CHAT_FORMATS))
+    template: str = _setting("", _Str())
 
 
 @dataclass

@@ -12,10 +12,14 @@ import httpx2
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from chatapp.engine import device, loader
 from chatapp.engine.device import BackendInfo, cast_floating, checkpoint_float_dtype, pick_backend
+from chatapp.engine.legacy import load_legacy_tokenizer
 from chatapp.engine.loader import (
     DownloadProgress,
     ModelLoadError,
@@ -29,6 +33,7 @@ from chatapp.engine.loader import (
     weights_fingerprint,
 )
 from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from tests.conftest import SHARED_MODELS
 
 HASH = "0123456789abcdef0123456789abcdef01234567"
 
@@ -306,18 +311,42 @@ def test_legacy_stories_matches_original(stories_path, tmp_path):
     assert detok.text.strip() == "The cat sat on the mat."
 
 
-def test_legacy_tokenizer_matches_sentencepiece(stories_path, tmp_path):
-    if not (stories_path / "tokenizer.model").exists():
-        pytest.skip("stories260K has no tokenizer.model")
+# Text that exercises SentencePiece's whitespace rules: runs of spaces, spaces at either end,
+# next to newlines and tabs, characters the vocabulary lacks (byte fallback).
+_SPM_TEXT = st.lists(st.sampled_from(list("ab cd\n\t.,!?xyz 123 ABCé") + [
+    "  ", "   ", "你", "🙂", "[INST]", "<<SYS>>", "hello", " world", "the", "ing", "\u00a0", "\r\n"]),
+    max_size=30).map("".join)
+_SPM_FIXED = ["Once upon a time,", " leading space", "a\nb\n\nc", "Hello  world", "héllo 你好 🙂", "  two",
+              "end. ", 'Lily said: "Hi!"', "", " ", "x", "a\n b", "\tTab", "x\n  y", "[INST] hi [/INST] Hello "]
+
+
+def spm_tokenizer_folder(tmp_path_factory, source: Path) -> Path:
+    if not source.exists():
+        pytest.skip(f"needs {source} (../shared is absent)")
+    path = tmp_path_factory.mktemp("spm")
+    shutil.copyfile(source, path / "tokenizer.model")
+    return path
+
+
+@pytest.mark.parametrize("model", ["stories260K", "llama2-tokenizer"])
+def test_legacy_tokenizer_matches_sentencepiece(model, tmp_path_factory):
+    """Token ids equal SentencePiece's own for any text: stories260K removes extra whitespace,
+    Llama 2 keeps it (and scores whitespace-only pieces last)."""
     import sentencepiece as spm
 
-    path = make_legacy_stories(stories_path, tmp_path / "legacy")
-    tok = loader._load_legacy_tokenizer(path)
+    path = spm_tokenizer_folder(tmp_path_factory, SHARED_MODELS / model / "tokenizer.model")
+    tok = load_legacy_tokenizer(path)
     sp = spm.SentencePieceProcessor(model_file=str(path / "tokenizer.model"))
-    for s in ["Once upon a time,", " leading space", "a\nb\n\nc", "Hello  world", "héllo 你好 🙂",
-              "  two", "end. ", 'Lily said: "Hi!"', "", " ", "x"]:
+    for s in _SPM_FIXED:
         assert tok.encode(s) == [sp.bos_id()] + sp.encode(s), s
         assert tok.decode(tok.encode(s), skip_special_tokens=True) == sp.decode(sp.encode(s)), s
+
+    @hsettings(max_examples=400, deadline=None)
+    @given(_SPM_TEXT)
+    def same_ids(s):
+        assert tok.encode(s, add_special_tokens=False) == sp.encode(s)
+
+    same_ids()
 
 
 def test_legacy_quantized_random_model(stories_path, tmp_path):
@@ -553,16 +582,56 @@ def one_line_error(spec, **kwargs) -> str:
     return message
 
 
+def fake_search(monkeypatch, found: dict[str, list[str]] | Exception) -> list[str]:
+    """HfApi.list_models answering ``found[search]`` (ids under mlx-community), or failing; returns
+    the searches made."""
+    import huggingface_hub
+
+    searches = []
+
+    def list_models(self, *, author=None, search=None, limit=None, **kwargs):
+        searches.append(search)
+        assert author == "mlx-community" and limit
+        if isinstance(found, Exception):
+            raise found
+        return iter([SimpleNamespace(id=i) for i in found.get(search, [])][:limit])
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_models", list_models)
+    return searches
+
+
 def test_error_unknown_repo(monkeypatch, hf_cache):
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
+    fake_search(monkeypatch, httpx2.ConnectError("the search fails: no suggestions"))
     fake_snapshot(monkeypatch, RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found",
                                                        response=hub_response()))
     msg = one_line_error("mlx-community/no-such-model")
-    assert msg.startswith("unknown model 'mlx-community/no-such-model'")
+    assert msg == ("unknown model 'mlx-community/no-such-model': no such repository on Hugging Face "
+                   "(check the name; private repositories need `hf auth login`)")
 
     fake_snapshot(monkeypatch, GatedRepoError("403 gated", response=hub_response(403)))
     assert "gated" in one_line_error("meta-llama/Llama-2-7b")
+
+
+def test_unknown_repo_lists_close_mlx_community_names(monkeypatch, hf_cache):
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    hits = ["mlx-community/CodeLlama-7b-Python-4bit-MLX", "mlx-community/Llama-2-7b-chat-4-bit",
+            "mlx-community/Llama-2-7b-mlx", "mlx-community/Llama-2-7b-chat-mlx", "mlx-community/Llama-2-7b-4bit-ft",
+            "mlx-community/Meta-Llama-3-8B-Instruct-4bit", "mlx-community/Llama-2-7b-hf-4bit"]
+    searches = fake_search(monkeypatch, {"Llama-2-7b": hits})
+    fake_snapshot(monkeypatch, RepositoryNotFoundError("404 Client Error.\n\nRepository Not Found",
+                                                       response=hub_response()))
+    msg = one_line_error("mlx-community/Llama-2-7b-4bit")
+    # The exact name finds nothing, so the search is shortened at a separator until it does.
+    assert searches == ["Llama-2-7b-4bit", "Llama-2-7b"]
+    head, _, names = msg.partition("; close mlx-community names: ")
+    assert head == "unknown model 'mlx-community/Llama-2-7b-4bit': no such repository on Hugging Face"
+    listed = names.split(", ")
+    assert len(listed) == 5 and set(listed) <= set(hits)
+    assert listed[0] == "mlx-community/Llama-2-7b-4bit-ft"  # the closest name first
+    assert "mlx-community/Meta-Llama-3-8B-Instruct-4bit" not in listed
 
 
 @pytest.mark.parametrize("make_error", [

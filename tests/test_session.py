@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.conversation import Conversation, PromptFormat
+from chatapp.engine.conversation import Conversation
+from chatapp.engine.formats import PromptFormat
 from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone, run_turn
 from chatapp.engine.session import Session, compare_modes
 
@@ -44,24 +45,30 @@ def test_turns_prefill_only_new_tokens_and_match_fresh_runs(stories, turns):
         assert fresh_reply(model, tok, conv, mode="prealloc").text == done.text
 
 
-def test_regenerate_and_edit_reuse_the_prefix(stories):
-    model, tok = stories
-    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+def regenerate_and_edit(s: Session) -> TurnDone:
+    """Two turns, a regenerate, then an edit of the last message; returns the edited turn.
+
+    Regenerating re-runs only the last prompt token; the edit reuses everything before the
+    edited message and prefills only from there on."""
     run(s.send(QUESTIONS[0]))
     first = run(s.send(QUESTIONS[1]))
     again = run(s.regenerate())
     assert again.text == first.text
-    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1  # only the last token re-runs
+    assert again.stats.reused_tokens == again.stats.prompt_tokens - 1
     head = s.conversation.copy()
     del head.messages[head.last_index("user"):]
     unchanged = len(s.format.tokens(head, generation_prompt=False))
     edited = run(s.edit_last("Where did the dog go?"))
-    conv = s.conversation.copy()
-    conv.messages.pop()
-    # Everything before the edited message is reused; only the edited message onwards runs.
     assert edited.stats.reused_tokens >= unchanged
     assert edited.stats.prefill_tokens == edited.stats.prompt_tokens - edited.stats.reused_tokens
-    assert fresh_reply(model, tok, conv, mode="prealloc").text == edited.text
+    return edited
+
+
+def test_regenerate_and_edit_reuse_the_prefix(stories):
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="prealloc")
+    edited = regenerate_and_edit(s)
+    assert fresh_reply(model, tok, _without_last(s.conversation), mode="prealloc").text == edited.text
 
 
 def test_cancel_keeps_cache_and_conversation_in_step(stories):
@@ -141,7 +148,7 @@ def test_eviction_tracks_what_the_model_still_sees(stories):
 def test_plain_transcript_format_for_models_without_template(stories):
     model, tok = stories
     fmt = PromptFormat.for_tokenizer(tok)
-    assert fmt.fmt == "plain"
+    assert fmt.name == "plain"
     conv = Conversation.start("Be kind.")
     conv.add("user", "Hi")
     conv.add("assistant", "Hello")

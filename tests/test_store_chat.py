@@ -373,7 +373,7 @@ def test_a_chat_template_that_refuses_the_conversation_is_a_clear_refusal():
         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
         "<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
     s = Session(tiny_llama(layers=2), tok, generation=GREEDY)
-    assert s.format.fmt == "template"
+    assert s.format.name == "template"
     s.conversation = Conversation()
     s.conversation.add("user", "a question left without a reply")
     p = PersistentChat(s, ModelIdentity("tiny", "tiny", "fp")).prepare("another one")

@@ -375,6 +375,24 @@ async def test_mode_dialog_validates_and_switches_and_marks_evicted_messages(sto
 
 
 @async_test
+async def test_notes_and_config_show_the_prompt_format(tmp_path):
+    """A template-less Llama-2-chat repo: the notes say which prompt format and why."""
+    from tests.chat_folders import EOS, legacy_chat_folder, script_after, sp_ids
+
+    folder = legacy_chat_folder(tmp_path / "Llama-2-7b-chat-4-bit", script_after(sp_ids("[/INST]")[-1], "Hi there", EOS))
+    app = make_app(folder, **{"data.dir": str(tmp_path / "data")})
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        line = "prompt format llama-2 (no chat template; the model id Llama-2-7b-chat-4-bit matches *llama-2*chat*)"
+        assert line in [str(n.message) for n in app._notifications]
+        await turn(pilot, "Hello")
+        assert replies(app)[-1].text == "Hi there"
+        await pilot.press("f6")
+        assert isinstance(app.screen, ConfigScreen)
+        assert "prompt format: llama-2 (no chat template;" in await screen_text(pilot)
+
+
+@async_test
 async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
     app = make_app(stories4_path)
     async with app.run_test(size=(120, 30)) as pilot:

@@ -56,6 +56,7 @@ def test_mode_dialog(snap_compare, stories4_path):
     async def run_before(pilot):
         await ready(pilot)
         await turn(pilot, "Tell me about a cat.")
+        await _settle(pilot)  # the main screen's toasts, which the dialog would not cover all of
         await pilot.press("f4")
         await _settle(pilot)
 

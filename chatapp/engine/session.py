@@ -29,7 +29,8 @@ from cache import (
 
 from chatapp.backend.qlinear import last_position_only
 
-from .conversation import Conversation, PromptFormat
+from .conversation import Conversation
+from .formats import PromptFormat
 from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
 from .stats import CacheView, StepStat, TurnStats
 
@@ -77,6 +78,7 @@ class Session:
         generation: GenerationSettings | None = None,
         system: str = "",
         raw: bool = False,
+        prompt_format: PromptFormat | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -85,7 +87,9 @@ class Session:
         self.requested_mode = mode
         self.long_after = long_after
         self.generation = generation or GenerationSettings()
-        self.format = PromptFormat.for_tokenizer(tokenizer, raw=raw)
+        # The prompt format (engine.formats); None: the tokenizer's template, else plain (raw: --raw).
+        self.format = prompt_format or PromptFormat.for_tokenizer(tokenizer, raw=raw)
+        self.format_choice = None  # engine.formatchoice.FormatChoice: which format and why, when chosen
         self.conversation = Conversation.start(system)
         self.notices: list[str] = []
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
@@ -94,7 +98,9 @@ class Session:
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
+        # (<|im_end|> for chatml), and a BOS in the middle of a reply (below).
+        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or []) | self.format.stop_token_ids
         if getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         # A BOS in the middle of a reply starts a new document (TinyStories models separate
@@ -284,7 +290,7 @@ class Session:
 
         detok = self.tokenizer.detokenizer
         detok.reset()
-        stops = StopMatcher(self.format.stop_strings)
+        stops = StopMatcher(list(self.format.stop_strings))
         y = sample(logits)
         mx.async_eval(y)
         n, finish = 0, "length"
@@ -340,7 +346,7 @@ class Session:
             yield TokenEvent(tail, -1, stats)
         stats.finish = finish
         raw = text = stops.text
-        if self.format.fmt == "plain":
+        if self.format.strips_replies:
             text = text.strip()  # shown and stored stripped; the next prompt renders ``raw``
         self._finish(stats, t0, text, interrupted=finish == "cancelled", raw=raw)
         yield TurnDone(text, stats)
@@ -350,7 +356,7 @@ class Session:
         # conversation and the cache agree and the next turn reuses them.
         if text or not interrupted:
             self.conversation.add("assistant", text, interrupted=interrupted)
-            if raw is not None and self.format.fmt != "template":
+            if raw is not None and self.format.renders_as_generated:
                 self._render_as_generated(raw)
         switch = self._apply_policy(len(self.cached))
         if switch:
@@ -367,17 +373,17 @@ class Session:
         "▁", a byte-level BPE's "Ġ"); a byte-level model's reply may have none. Of the default
         rendering (None), the decoded text and the text with that space restored, keep the first
         whose transcript shares the longest prefix with the cached tokens, so the next turn
-        prefills none of the reply again. Candidates that render to the same text are tokenised
-        once (usually two tokenisations in all, after the reply).
+        prefills none of the reply again. Candidates that render the same are tokenised once
+        (usually two tokenisations in all, after the reply).
         """
         msg = self.conversation.messages[-1]
         best, best_common, tried = None, -1, set()
         for candidate in (None, raw, " " + raw):
             msg.raw = candidate
-            text = self.format.text(self.conversation, generation_prompt=False)
-            if text in tried:
+            rendering = self.format.rendering(self.conversation, generation_prompt=False)
+            if rendering in tried:
                 continue
-            tried.add(text)
+            tried.add(rendering)
             common = self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
             if common > best_common:
                 best, best_common = candidate, common
@@ -488,11 +494,10 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
             return
         try:
             twin = Session(session.model, session.tokenizer, cache_settings=session.base_settings, mode=mode,
-                           long_after=session.long_after, generation=gen)
+                           long_after=session.long_after, generation=gen, prompt_format=session.format)
         except CacheConfigError as e:
             yield CompareRow(mode, 0, 0, 0.0, 0.0, 0.0, 0, "", error=str(e))
             continue
-        twin.format = session.format
         twin._cancel = session._cancel  # cancelling the session stops the comparison too
         twin.conversation = history.copy()
         if history.messages:

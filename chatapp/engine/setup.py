@@ -7,6 +7,8 @@ from typing import Callable
 from cache import CacheConfigError, CacheSettings
 
 from .device import pick_backend
+from .formatchoice import FormatChoice, FormatRequest, RepoFacts, choose_format
+from .formats import FormatError, PromptFormat, make_format, read_template_file
 from .generate import GenerationSettings
 from .loader import DownloadProgress, LoadedModel, ModelLoadError, load_model
 from .session import Session
@@ -18,6 +20,11 @@ class SetupError(Exception):
 
 def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
     """Load the model and give it the backend's fast path (the CPU plan is a no-op on GPUs)."""
+    if config.chat.template and not config.chat.raw:
+        try:  # a missing template file is said before the model loads, not after
+            read_template_file(config.chat.template)
+        except FormatError as e:
+            raise SetupError(str(e)) from None
     try:
         # scales stay as stored: the CPU kernels read float16 ones directly, and apply_fast_path
         # casts those of the layers that MLX runs
@@ -57,15 +64,41 @@ def generation_from(config) -> GenerationSettings:
     )
 
 
+def prompt_format_for(config, loaded: LoadedModel) -> tuple[PromptFormat, FormatChoice]:
+    """The prompt format the settings and the model call for (engine.formatchoice), and why.
+    A format the tokenizer cannot serve, or a template file that cannot be read or rendered, is a
+    one-line SetupError."""
+    facts = RepoFacts.from_tokenizer(loaded.model_id, loaded.config, loaded.tokenizer)
+    choice = choose_format(FormatRequest.from_config(config), facts)
+    if choice.template_file:
+        path = choice.template_file
+        try:
+            text = read_template_file(path)
+        except FormatError as e:
+            raise SetupError(str(e)) from None
+        fmt = make_format("template", loaded.tokenizer, text, source=path)
+        try:
+            fmt.check(config.chat.system)  # a template that cannot render fails now, naming its line
+        except FormatError as e:
+            raise SetupError(f"the chat template does not render: {e}") from None
+        return fmt, choice
+    try:
+        return make_format(choice.name, loaded.tokenizer), choice
+    except FormatError as e:
+        raise SetupError(f"cannot use {choice.line()}: {e}") from None
+
+
 def session_from_config(config, loaded: LoadedModel) -> Session:
+    fmt, choice = prompt_format_for(config, loaded)
     try:
         session = Session(
             loaded.model, loaded.tokenizer, cache_settings=cache_settings_from(config), mode=config.cache.mode,
             long_after=config.cache.long_after, generation=generation_from(config),
-            system=config.chat.system, raw=config.chat.raw,
+            system=config.chat.system, prompt_format=fmt,
         )
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None
+    session.format_choice = choice
     session.model_id = loaded.model_id
     plan = getattr(loaded, "cpu_plan", None)
     if plan is not None and plan.applied:

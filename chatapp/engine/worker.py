@@ -82,7 +82,9 @@ class EngineWorker:
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
             return
         s = self.session
-        self._emit(Loaded(getattr(s, "model_id", ""), list(s.notices), {}))
+        choice = getattr(s, "format_choice", None)
+        notes = ([choice.line()] if choice is not None else []) + list(s.notices)
+        self._emit(Loaded(getattr(s, "model_id", ""), notes, {}))
         while True:
             command, args = self._queue.get()
             if command == "quit":

@@ -178,8 +178,7 @@ class PersistentChat:
             total = len(s.format.tokens(conv))
         except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the order of roles
             reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            return Prepared(text, False, f"message not sent: the model's chat template refuses the conversation "
-                                         f"({reason})")
+            return Prepared(text, False, f"message not sent: the chat template refuses the conversation ({reason})")
         max_pos = s.geometry.max_positions
         if max_pos and total > max_pos and s.settings.budget is None:
             report = s.use_long_policy()
@@ -311,7 +310,7 @@ class PersistentChat:
         created: list[int] = []
         ok = self._write(lambda: created.append(self.store.create_conversation(
             model_id=self.identity.model_id, model_spec=self.identity.model_spec,
-            weights_fingerprint=self.identity.weights_fingerprint, prompt_format=self.session.format.fmt)))
+            weights_fingerprint=self.identity.weights_fingerprint, prompt_format=self.session.format.key)))
         if ok:
             self.conversation_id = created[0]
             self._mirror = []
@@ -375,7 +374,7 @@ class PersistentChat:
             save_snapshot(
                 path, caches=s.caches, tokens=s.cached, settings=s.settings, requested_mode=s.requested_mode,
                 model_id=self.identity.model_id, weights_fingerprint=self.identity.weights_fingerprint,
-                messages=key[2], transcript_sha256=key[3], prompt_format=s.format.fmt,
+                messages=key[2], transcript_sha256=key[3], prompt_format=s.format.key,
                 conversation_id=self.conversation_id,
                 renderings=[m.raw for m in s.conversation.messages[: key[2]]])
         except SnapshotWriteError as e:
@@ -417,7 +416,7 @@ class PersistentChat:
                 self.identity.model_id, self.identity.model_spec, self.identity.weights_fingerprint):
             self._write(lambda: self.store.set_model(
                 cid, model_id=self.identity.model_id, model_spec=self.identity.model_spec,
-                weights_fingerprint=self.identity.weights_fingerprint, prompt_format=s.format.fmt))
+                weights_fingerprint=self.identity.weights_fingerprint, prompt_format=s.format.key))
         try:
             restored, switch = self._restore_snapshot(cid, s.conversation.messages)
             self.resume_info = ResumeInfo(cid, "snapshot", "", len(stored), restored,
@@ -445,9 +444,10 @@ class PersistentChat:
             raise SnapshotError(f"it was made with model {snap.model_id}, not {self.identity.model_id}")
         if snap.weights_fingerprint != self.identity.weights_fingerprint:
             raise SnapshotError(f"the weights of {self.identity.model_id} have changed since it was made")
-        if snap.prompt_format != s.format.fmt:
+        if snap.prompt_format != s.format.key:
+            # Another layout of the same messages: its cached tokens are not this format's.
             raise SnapshotError(
-                f"it was made with the {snap.prompt_format} prompt format, this chat uses {s.format.fmt}")
+                f"it was made with the {snap.prompt_format} prompt format, this chat uses {s.format.key}")
         if snap.messages > len(messages):
             raise SnapshotError(f"it covers {snap.messages} messages, the transcript has only {len(messages)}")
         # Replies as the model saw them (Message.raw) are kept in the snapshot, not the database;

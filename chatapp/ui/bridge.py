@@ -43,7 +43,7 @@ class SessionInfo:
     effective: dict[str, int] = field(default_factory=dict)  # as used, after fitting to the model
     has_system: bool = False
     messages: int = 0
-    fmt: str = ""
+    fmt: str = ""  # the prompt format, and why it was chosen
 
 
 @dataclass
@@ -105,7 +105,7 @@ def describe_session(session) -> SessionInfo:
         effective=fields(session.settings),
         has_system=bool(session.conversation.messages and session.conversation.messages[0].role == "system"),
         messages=len(session.conversation.messages),
-        fmt=session.format.fmt,
+        fmt=session.format_choice.describe() if getattr(session, "format_choice", None) else session.format.name,
     )
 
 
