@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides_from(args))
         if args.show_config:
             print(config.describe_text())
-            print(f"# {describe_format(config)}")
             _print_cpu_backend(config)
+            print(f"# {describe_format(config)}")
             return 0
         if args.resume is not None:
             args.resume_id = _resume_target(args, config)
@@ -186,7 +186,7 @@ def _print_cpu_backend(config) -> None:
         return
     from .backend.describe import cpu_backend_lines
 
-    print("\n# CPU backend (detected now; the model's own routes show with --verbose and in the TUI's notes)")
+    print("# CPU backend (detected now; the model's own routes show with --verbose and in the TUI's notes)")
     for line in cpu_backend_lines(config.cpu):
         print(f"# {line}")
 
