@@ -17,7 +17,7 @@ import mlx.core as mx
 def warm_up_kernels(layers: Iterable) -> float:
     """Run each distinct (bits, group size, scale dtype) of ``layers`` through both kernel routes
     on a tiny weight, and the decode attention kernel; returns the seconds it took."""
-    from .decode_attention import decode_full
+    from .decode_attention import decode_full, decode_mixed
     from .qlinear import Route, _kernel_matmul, packed_view
 
     start = time.perf_counter()
@@ -37,4 +37,8 @@ def warm_up_kernels(layers: Iterable) -> float:
     q = mx.zeros((1, 2, 1, 64))
     kv = mx.zeros((1, 1, 8, 64))
     mx.eval(decode_full(q, kv, kv, 0.125, None))
+    for bits in (8, 4):  # a window-quant history (kv_bits 8 by default, 4 possible)
+        packed = mx.quantize(kv, group_size=32, bits=bits)
+        parts = [("full", kv[:, :, :2], kv[:, :, :2]), ("quant", packed, packed), ("full", kv, kv)]
+        mx.eval(decode_mixed(q, parts, 0.125, None, bits, 32, None))
     return time.perf_counter() - start
