@@ -220,3 +220,23 @@ def test_prefill_computes_the_head_for_the_last_position_only(tied, kernels, mon
     assert seen == [1]  # the head never computed the 29 other positions
     seen.clear()
     assert close(fast(x), ref(x)) and (seen == [30] or kernels == "off")  # outside the context: all of them
+
+
+def test_float16_scales_stay_for_kernels_and_are_cast_for_mlx():
+    """The loader leaves a checkpoint's float16 scales alone (load_model(cast_scales=False)): the
+    kernels read them as they are, the layers MLX runs get float32 ones (its fast CPU path)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    odd = LlamaShape(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, intermediate_size=480, vocab_size=512)
+    ref, fast = model(group_size=32, shape=odd), model(group_size=32, shape=odd)
+    half = [(k, v.astype(mx.float16)) for k, v in tree_flatten(fast.parameters()) if k.endswith((".scales", ".biases"))]
+    fast.update(tree_unflatten(half))
+    ref.update(tree_unflatten([(k, v.astype(mx.float32)) for k, v in half]))  # the same numbers in float32
+    plan = accelerate_model(fast, backend="cpu", kernel_min_elements=0)
+    layers = fast.model.layers[0]
+    assert layers.mlp.up_proj.route == "kernel" and layers.mlp.up_proj["scales"].dtype == mx.float16
+    assert layers.mlp.down_proj.route == "mlx" and layers.mlp.down_proj["scales"].dtype == mx.float32
+    assert not plan.warnings  # float16 scales read by a kernel are not "half-precision activations"
+    x = mx.random.randint(0, odd.vocab_size, (1, 12), key=mx.random.key(2))
+    assert close(fast(x), ref(x)) and close(fast(x[:, :1]), ref(x[:, :1]))

@@ -210,6 +210,18 @@ def test_estimate_weight_bytes_reads_headers(stories_path, tmp_path):
 # ------------------------------------------------------------------------------ device/cast
 
 
+def test_cast_floating_can_skip_quantised_scales():
+    from chatapp.engine.device import is_quant_param
+
+    model, _ = build_random_llama(LlamaShape(num_hidden_layers=1), dtype=mx.float16, quantize_bits=4)
+    cast_floating(model, mx.float32, skip=is_quant_param)
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith((".scales", ".biases")):
+            assert p.dtype == mx.float16, name  # left as stored, for the CPU kernels
+        elif p.dtype != mx.uint32:
+            assert p.dtype == mx.float32, name
+
+
 def test_cast_floating_keeps_packed_weights():
     model, _ = build_random_llama(LlamaShape(num_hidden_layers=1), dtype=mx.float16, quantize_bits=4)
     before = dict(tree_flatten(model.parameters()))

@@ -31,6 +31,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -40,10 +41,24 @@ from .llvm import atomic_add
 
 
 @njit(nogil=True, cache=True)
-def _wait_done(ctl, n_chunks):  # pragma: no cover - jitted
-    # Spins: the chunks still running are a fraction of a millisecond of work.
-    while atomic_add(ctl, 1, 0) < n_chunks:
-        pass
+def _spin_until_done(ctl, n_chunks, spins):  # pragma: no cover - jitted
+    """Spin until every chunk is done or ``spins`` checks have passed; True when done."""
+    for _ in range(spins):
+        if atomic_add(ctl, 1, 0) >= n_chunks:
+            return True
+    return atomic_add(ctl, 1, 0) >= n_chunks
+
+
+# ~20-50 us of checks: a helper's last chunk normally ends within that. Past it the helper is most
+# likely descheduled mid-chunk, and spinning would keep this core busy; sleeping frees it, so the
+# scheduler can move the helper here instead of making it wait for its own core.
+_SPINS = 20_000
+_NAP_S = 50e-6
+
+
+def _wait_done(ctl: np.ndarray, n_chunks: int) -> None:
+    while not _spin_until_done(ctl, n_chunks, _SPINS):
+        time.sleep(_NAP_S)
 
 
 def usable_cores() -> int:
