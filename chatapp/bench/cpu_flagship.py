@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from chatapp.bench.flagship import LLAMA2_7B
 from chatapp.bench.report import BenchReport, emit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +42,7 @@ PROMPT_TEXT = (
     "packing, weather, food, maps, safety and how to keep in touch with family while away from the cities. "
 )
 
+GEOMETRY = LLAMA2_7B  # tests swap in a small one
 TARGET_DECODE = 1.5  # tokens/s, at 256 and 4096 cached tokens
 TARGET_DECODE_X = 10.0  # x mlx-lm
 TARGET_PREFILL_X = 15.0
@@ -97,7 +99,7 @@ def _best(runs: list[dict]) -> dict:
 
 def run_flagship(args) -> int:
     from chatapp.bench.cpu_bench import _loadavg
-    from chatapp.bench.flagship import LLAMA2_7B, weight_file_bytes, write_llama2_7b
+    from chatapp.bench.flagship import weight_file_bytes, write_llama2_7b
     from chatapp.kernels.bandwidth import read_bandwidth
 
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -105,7 +107,7 @@ def run_flagship(args) -> int:
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     folder = Path(args.model_dir)
     t = time.perf_counter()
-    write_llama2_7b(folder, TOKENIZER, LLAMA2_7B)
+    write_llama2_7b(folder, TOKENIZER, GEOMETRY)
     log(f"# model: {folder} ({weight_file_bytes(folder) / 2**30:.2f} GiB of weights; ready in {time.perf_counter() - t:.0f} s)")
     import importlib.util
 
@@ -119,7 +121,7 @@ def run_flagship(args) -> int:
 
             gguf = folder / "model-q4_0.gguf"
             if not gguf.exists() or gguf.stat().st_mtime < (folder / "weights.npz").stat().st_mtime:
-                write_gguf_q4_0(gguf, LLAMA2_7B, TOKENIZER)
+                write_gguf_q4_0(gguf, GEOMETRY, TOKENIZER)
     contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
     spec = {
         "model": str(folder), "gguf": str(gguf) if gguf else None, "prompt": _prompt_ids(args.prompt),

@@ -135,7 +135,8 @@ def run_chatapp(spec: dict) -> dict:
     for mode in spec["modes"]:
         settings = CacheSettings(mode=mode, sinks=defaults.sinks, window=defaults.window,
                                  evict_chunk=defaults.evict_chunk, kv_bits=defaults.kv_bits,
-                                 kv_group_size=defaults.kv_group_size, max_kv_tokens=max(spec["contexts"]) + 64,
+                                 kv_group_size=defaults.kv_group_size,
+                                 max_kv_tokens=max(max(spec["contexts"]) + 64, defaults.sinks + defaults.window),
                                  quant_start=defaults.quant_start)
         for ctx in spec["contexts"]:
             caches = make_caches(model, settings)
