@@ -7,8 +7,11 @@ events by polling with ``pilot.pause()`` until a condition holds, with a timeout
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import io
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -40,9 +43,13 @@ def async_test(fn):
 
 
 def make_config(model_path, **overrides):
+    # Each app gets its own data directory, so what one test saved (conversations, the prefix
+    # store) never changes what another one sees.
+    data_dir = tempfile.mkdtemp(prefix="chatapp-ui-test-")
+    atexit.register(shutil.rmtree, data_dir, True)
     values = {
         "model.id": str(model_path), "sampling.temp": 0.0, "sampling.seed": 0, "sampling.max_tokens": 24,
-        "ui.render_interval_ms": 20,
+        "ui.render_interval_ms": 20, "data.dir": data_dir,
     }
     values.update(overrides)
     return load_config(overrides=values)
@@ -306,7 +313,11 @@ async def test_new_chat_and_clear(stories4_path):
         assert [e.role for e in app.entries] == ["system"] and app.conv_steps == []
         assert "Be [bold]nice[/]." in await screen_text(pilot)
         await turn(pilot, "Hello")
-        assert app.last_stats.reused_tokens == 0
+        # The new chat starts warm: the first one's prompt came from the prefix store.
+        stats = app.last_stats
+        assert stats.prefix_tokens == stats.reused_tokens == stats.prompt_tokens - 1 > 20
+        assert any(n.title == "prefix store" and n.message.startswith(f"reused {stats.prefix_tokens} prefix tokens")
+                   for n in app._notifications)
 
 
 # ---- cache modes --------------------------------------------------------------------------------------------
