@@ -468,6 +468,35 @@ async def test_side_panel_shows_steps_layers_and_modes(stories4_path):
         assert not panel.display
 
 
+@async_test
+async def test_memory_gauges_in_the_status_bar_and_the_side_panel(stories4_path):
+    from chatapp.engine.stats import fmt_bytes
+    from chatapp.ui.widgets import MemoryChart
+
+    app = make_app(stories4_path, freeze_stats=False)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await ready(pilot)
+        status = app.query_one(StatusBar)
+        assert app.memory is not None and app.memory.active > 0  # read when the session was described
+        await turn(pilot, "Tell me about a cat.")
+        await turn(pilot, "What did the cat eat?")
+        g = app.last_stats.memory
+        assert 0 < g.active <= g.peak < g.total and g.kv_held == app.last_stats.cache.bytes_held
+        plain = status.plain
+        assert f"MLX {fmt_bytes(g.active)} act · {fmt_bytes(g.cache)} cache · {fmt_bytes(g.peak)} peak" in plain
+        assert "mem KV " in plain and " · act " in plain and " · peak " in plain
+        await pilot.press("f2")
+        await pilot.pause()
+        chart = app.query_one(MemoryChart)
+        assert chart.now == g and len(chart.trace) == len(app.conv_memory) >= 2 * 2  # two turns, 2+ readings each
+        assert [r.tokens for r in chart.trace] == sorted(r.tokens for r in chart.trace)
+        text = await screen_text(pilot)
+        assert "MLX memory over the conversation" in text and "MLX active" in text and "buffer cache" in text
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="new chat")
+        assert app.conv_memory == []
+
+
 # ---- screens ----------------------------------------------------------------------------------------------
 @async_test
 async def test_help_config_and_palette(stories4_path):
