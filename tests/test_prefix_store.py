@@ -19,7 +19,7 @@ from chatapp.engine.session import Session
 from chatapp.store import ChatStore
 from chatapp.store import prefixes as px
 from chatapp.store.chat import ModelIdentity, open_chat
-from chatapp.store.paths import prefix_dir
+from chatapp.store.paths import prefix_dir, snapshot_path
 from tests.conftest import tiny_llama
 
 GREEDY = GenerationSettings(temp=0.0, max_tokens=12)
@@ -162,6 +162,20 @@ def test_misses_on_another_model_format_or_weights(change, tmp_path):
     chat.close()
     assert done.stats.prefix_tokens == 0 and done.stats.reused_tokens == 0
     assert chat.take_notes() == []
+
+
+def test_a_conversation_resumed_without_its_snapshot_starts_from_the_prefix_store(tmp_path):
+    s = session()
+    first = first_prompt(s, "Tell me about a cat.")
+    with open_chat(s, IDENT, tmp_path, prefix_cap_mb=64) as chat:
+        run_turn(chat.send("Tell me about a cat."))
+        chat.after_turn()
+        cid = chat.conversation_id
+    snapshot_path(tmp_path, cid).unlink()
+    with open_chat(session(), IDENT, tmp_path, prefix_cap_mb=64, resume=cid) as chat:
+        assert chat.resume_info.source == "transcript"
+        done = run_turn(chat.send("And then?"))
+    assert done.stats.prefix_tokens == len(first)  # the whole first prompt; the rest is prefilled
 
 
 def test_a_chat_that_does_not_save_reads_but_never_writes(tmp_path):

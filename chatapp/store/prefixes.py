@@ -380,6 +380,9 @@ class PrefixStore:
         PrefixWriteError (blocks written before the failure stay)."""
         if not self.writable:
             raise PrefixWriteError("the prefix store is read-only here")
+        dtype = str(kv[0][0].dtype).removeprefix("mlx.core.")
+        if dtype != ns.dtype:  # a lookup would refuse such blocks: do not write them
+            raise PrefixWriteError(f"the caches hold {dtype} keys and values, not the model's {ns.dtype}")
         parent, pos, chain, written = ns.root, 0, [], 0
         while pos < len(tokens):
             block = tokens[pos : pos + BLOCK]
