@@ -427,9 +427,9 @@ def sessions_main(argv: list[str]) -> int:
     overrides = {"data.dir": args.data_dir} if args.data_dir else {}
     config = load_config(args.config, overrides)
     data_dir = resolve_data_dir(config)
-    if args.command == "prefixes":
-        return _prefixes_command(data_dir, config.data.prefix_cap_mb, clear=args.clear, as_json=args.json)
     try:
+        if args.command == "prefixes":
+            return _prefixes_command(data_dir, config.data.prefix_cap_mb, clear=args.clear, as_json=args.json)
         with ChatStore.open(data_dir, write=False) as store:
             if args.command == "list":
                 convs = store.list_conversations()
@@ -479,10 +479,10 @@ def sessions_main(argv: list[str]) -> int:
 
 
 def _prefixes_command(data_dir, cap_mb: int, clear: bool, as_json: bool) -> int:
-    """`chatapp sessions prefixes [--clear] [--json]`: what the shared-prefix KV store holds."""
+    """`chatapp sessions prefixes [--clear] [--json]`: what the shared-prefix KV store holds.
+    ``--clear`` takes the data directory's lock (StoreBusy and OSError go to sessions_main's handlers)."""
     import time
 
-    from .store import StoreBusy
     from .store.lock import DataDirLock
     from .store.paths import prefix_dir
     from .store.prefixes import BlockInfo, PrefixStore, stored_prefixes
@@ -493,15 +493,8 @@ def _prefixes_command(data_dir, cap_mb: int, clear: bool, as_json: bool) -> int:
         if not store.dir.is_dir():
             print(f"no prefix store in {data_dir}")
             return 0
-        try:
-            with DataDirLock.acquire(data_dir):
-                n, size = store.clear()
-        except StoreBusy as e:
-            print(f"chatapp: error: {e}: try again when it has exited", file=sys.stderr)
-            return 1
-        except OSError as e:
-            print(f"chatapp: error: {data_dir}: {e.strerror or e}", file=sys.stderr)
-            return 2
+        with DataDirLock.acquire(data_dir):
+            n, size = store.clear()
         print(f"removed {n} prefix blocks ({size / (1 << 20):.1f} MiB) from {store.dir}")
         return 0
     blocks = store.blocks()

@@ -149,7 +149,8 @@ def test_prefix_bench_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prefix_bench, "RANDOM_SHAPE", TINY_SHAPE)
     js, png = outputs(tmp_path, "prefix")
-    args = parse("prefix", ["--models", "random", "--system-tokens", "300", "--repeats", "2", "--max-tokens", "4",
+    args = parse("prefix", ["--models", "random", "--random-tokenizer", "bytes", "--system-tokens", "300",
+                            "--repeats", "2", "--max-tokens", "4",
                             "--json", str(js), "--plot", str(png)])
     assert prefix_bench.run(args) == 0
     data = check_files(js, png)

@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from chatapp.cli import main
 from chatapp.engine.generate import run_turn
 from chatapp.store.lock import DataDirLock
 from chatapp.store.paths import prefix_dir
 from tests.test_faults import Chatapp, chat_args, make_env, rows
 from tests.test_prefix_store import IDENT, first_prompt, session
-
-
-@pytest.fixture()
-def data(tmp_path, monkeypatch):
-    cfg = tmp_path / "cfg"
-    cfg.mkdir()
-    monkeypatch.setenv("CHATAPP_CONFIG_DIR", str(cfg))
-    d = tmp_path / "data"
-    monkeypatch.setenv("CHATAPP_DATA_DIR", str(d))
-    return d
+from tests.test_store_cli import data  # noqa: F401 - the fixture: empty config, a fresh data directory
 
 
 def test_list_clear_and_json(data, capsys):

@@ -22,8 +22,10 @@ token ids. Target: warm at least :data:`TARGET_SPEEDUP` x faster than cold at 2,
 
 Models (``--models``): ``stories`` (``../shared/models/stories260K-4bit``) and ``random``: a
 random-weight 4-bit Llama of realistic width (hidden 2048, 4 layers, 16 heads of 128 sharing 4 KV
-heads, intermediate 5632; byte-level tokenizer, so the text is ASCII bytes). Both get the app's
-CPU fast path, as ``load_engine`` sets it up. Cache mode ``--mode`` (default auto, as the app).
+heads, intermediate 5632) with Llama 2's tokenizer and vocabulary (``../shared/models/llama2-tokenizer``;
+saved to a folder and loaded through ``load_model`` as a downloaded model would be), or with a byte
+tokenizer (``--random-tokenizer bytes``, vocab 258). Both get the app's CPU fast path, as
+``load_engine`` sets it up. Cache mode ``--mode`` (default auto, as the app).
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chatapp.bench.common import STORIES, fast_path, load_stories, model_names, start_bench
 from chatapp.bench.report import BenchReport, emit, int_list, line_plot
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit"
 RANDOM_SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
                     head_dim=128, intermediate_size=5632, vocab_size=258, max_position_embeddings=4096)
+LLAMA2_TOKENIZER = STORIES.parent / "llama2-tokenizer"
 TARGET_SPEEDUP = 10.0
 TARGET_TOKENS = 2000
 FIRST_MESSAGE = "Tell me a story about a little cat who lived near the sea."
@@ -53,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", default="stories,random",
                    help="comma list: stories (stories260K-4bit) and/or random (a 4-bit random Llama, hidden 2048)")
     p.add_argument("--stories", default=str(STORIES), help="the stories260K-4bit folder")
+    p.add_argument("--random-tokenizer", choices=("llama2", "bytes"), default="llama2",
+                   help="the random model's tokenizer: Llama 2's (vocab 32000, from --llama2-tokenizer; default) "
+                        "or bytes (vocab 258)")
+    p.add_argument("--llama2-tokenizer", default=str(LLAMA2_TOKENIZER), help="the llama2-tokenizer folder")
     p.add_argument("--system-tokens", type=lambda t: int_list(t, minimum=16), default=[500, 1000, 2000],
                    help="system prompt lengths in tokens (default 500,1000,2000)")
     p.add_argument("--repeats", type=int, default=3, help="timed cold and warm runs per length (default 3)")
@@ -62,29 +69,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _load(name: str, args) -> tuple[Any, Any, Any, str]:
+def _load(name: str, args, tmp: Path) -> tuple[Any, Any, Any, str]:
+    if name == "stories":
+        return load_stories(args.stories)
+    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
     from chatapp.store.chat import ModelIdentity
 
-    if name == "random":
-        from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+    shape = dict(RANDOM_SHAPE)
+    desc = (f"random 4-bit Llama: hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, "
+            f"{shape['num_attention_heads']} heads of {shape['head_dim']} / {shape['num_key_value_heads']} KV heads, "
+            f"intermediate {shape['intermediate_size']}")
+    if args.random_tokenizer == "llama2" and (Path(args.llama2_tokenizer) / "tokenizer.model").exists():
+        # Llama 2's own tokenizer and vocabulary: real text takes as many tokens as on Llama-2-7B
+        # (a byte tokenizer would make every message about four times longer).
+        from chatapp.engine.loader import load_model, save_model_dir
 
-        model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed, quantize_bits=4)
-        return model, byte_tokenizer(), ModelIdentity("random-4bit-2048", "random", f"random-seed-{args.seed}"), (
-            "random 4-bit Llama: hidden 2048, 4 layers, 16 heads of 128 / 4 KV heads, intermediate 5632, byte tokenizer")
-    from chatapp.engine.loader import load_model
-
-    lm = load_model(args.stories)
-    desc = f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype}"
-    return lm.model, lm.tokenizer, ModelIdentity.from_loaded(lm, args.stories), desc
-
-
-def _fast_path(model, args) -> str:
-    if args.no_fast_path:
-        return "off (--no-fast-path)"
-    from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.device import pick_backend
-
-    return apply_fast_path(model, backend=pick_backend().name).summary()
+        model, config = build_random_llama(LlamaShape(**{**shape, "vocab_size": 32000}), seed=args.seed,
+                                           quantize_bits=4)
+        lm = load_model(str(save_model_dir(tmp / "random-llama2", model, config, args.llama2_tokenizer)))
+        return lm.model, lm.tokenizer, ModelIdentity.from_loaded(lm), f"{desc}, Llama 2's tokenizer (vocab 32000)"
+    if args.random_tokenizer == "llama2":
+        print(f"# no Llama 2 tokenizer at {args.llama2_tokenizer}: the random model uses a byte tokenizer")
+    model, _ = build_random_llama(LlamaShape(**shape), seed=args.seed, quantize_bits=4)
+    ident = ModelIdentity("random-4bit", "random", f"random-seed-{args.seed}")
+    return model, byte_tokenizer(), ident, f"{desc}, byte tokenizer (vocab {shape['vocab_size']})"
 
 
 def system_prompt(session, tokens: int) -> str:
@@ -158,21 +166,8 @@ def _warm(model, tok, ident, args, data_dir: Path, system: str) -> dict:
 
 
 def run(args) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from chatapp.backend.blas import current_blas
-
-    hf_logging.set_verbosity_error()  # "sequence longer than the model's maximum": expected for stories
-    blas = current_blas()
-    if not blas.loaded:
-        print("# WARNING: no optimised BLAS loaded (run through `chatapp bench`); numbers use the reference BLAS")
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("random", "stories")]
-    if bad or not names:
-        raise SystemExit(f"--models: unknown {bad}; use stories and/or random")
-    if "stories" in names and not (Path(args.stories) / "config.json").exists():
-        print(f"# skipping stories: no model at {args.stories}")
-        names.remove("stories")
+    blas = start_bench()
+    names = model_names(args.models, args.stories)
 
     rep = BenchReport("prefix: TTFT of a new conversation with a long system prompt, cold vs warm (median ms)",
                       ["model", "system tokens", "prompt tokens", "from store", "store MiB", "TTFT cold ms",
@@ -182,8 +177,8 @@ def run(args) -> int:
     all_same = True
     with tempfile.TemporaryDirectory(prefix="chatapp-prefix-bench-") as tmp:
         for name in names:
-            model, tok, ident, desc = _load(name, args)
-            fp = _fast_path(model, args)
+            model, tok, ident, desc = _load(name, args, Path(tmp))
+            fp = fast_path(model, args.no_fast_path)
             models_meta[name] = dict(model=desc, fast_path=fp)
             print(f"# {name}: {desc}\n# {fp}")
             probe = _session(model, tok, args, "")

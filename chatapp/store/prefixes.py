@@ -339,12 +339,12 @@ class PrefixStore:
     def _read_block(self, ns: Namespace, seg: _Segment, tokens: list[int]) -> list[tuple]:
         import mlx.core as mx
 
-        from .snapshot import data_hash
+        from .snapshot import data_damage, error_reason
 
         try:
             arrays, md = mx.load(str(seg.path), return_metadata=True)
         except (RuntimeError, ValueError, OSError) as e:
-            raise PrefixError(f"the file is damaged ({str(e).strip().splitlines()[0] if str(e) else e})") from None
+            raise PrefixError(f"the file is damaged ({error_reason(e)})") from None
         if md.get("format") != FORMAT or md.get("version") != VERSION:
             raise PrefixError("not a chatapp prefix block of this version")
         if md.get("namespace") != ns.root or md.get("parent") != seg.parent:
@@ -364,13 +364,9 @@ class PrefixStore:
         for name, a in arrays.items():
             if tuple(a.shape) != shape or str(a.dtype).removeprefix("mlx.core.") != ns.dtype:
                 raise PrefixError(f"it does not fit this model ({name} is {a.dtype} {tuple(a.shape)})")
-        try:
-            mx.eval(list(arrays.values()))
-            digest = data_hash(arrays)
-        except (RuntimeError, ValueError) as e:
-            raise PrefixError(f"the file is damaged ({e})") from None
-        if digest != md.get("data_sha256"):
-            raise PrefixError("the file is damaged (its checksum does not match)")
+        damage = data_damage(arrays, md.get("data_sha256"))
+        if damage:
+            raise PrefixError(damage)
         return [(arrays[f"layer.{i}.keys"], arrays[f"layer.{i}.values"]) for i in range(ns.layers)]
 
     # ---- writing ----------------------------------------------------------------------------------
@@ -416,7 +412,7 @@ class PrefixStore:
                      kv) -> int:
         import mlx.core as mx
 
-        from .snapshot import data_hash
+        from .snapshot import data_hash, error_reason
 
         end = start + len(block)
         arrays = {}
@@ -438,8 +434,7 @@ class PrefixStore:
             os.replace(tmp, path)
         except (OSError, RuntimeError, ValueError) as e:
             self._unlink(tmp)
-            reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
-            raise PrefixWriteError(reason) from None
+            raise PrefixWriteError(error_reason(e)) from None
         return size
 
     # ---- use, bounds, listing ---------------------------------------------------------------------
