@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from cache import CacheConfigError, make_caches
 from cache.factory import restore_caches
+from chatapp.backend.qlinear import last_position_only
 
 from .stats import TurnStats
 
@@ -98,7 +99,8 @@ def full_precision_kv(session: "Session", tokens: list[int], chunk: int = 512) -
             new.absorb(k[:, :, :have], v[:, :, :have])
     rest = tokens[have:]
     for i in range(0, len(rest), chunk):
-        session.model(mx.array([rest[i : i + chunk]]), cache=caches)
+        with last_position_only():  # no logits are read: the CPU head computes the least it can
+            session.model(mx.array([rest[i : i + chunk]]), cache=caches)
         mx.eval([c.state for c in caches])
     kv = [c.content() for c in caches]
     mx.eval(kv)
