@@ -91,7 +91,8 @@ def test_decode_bench_smoke(tmp_path, capsys):
     assert held[(64, "window-quant")] == 48
     targets = data["meta"]["targets"]
     assert any(t["target"].startswith("prealloc") for t in targets)
-    assert any(t["target"].startswith("memory gauges") for t in targets)  # the gauges' A/B ran
+    [gauges] = [t for t in targets if t["target"].startswith("memory gauges")]  # the gauges' A/B ran
+    assert set(gauges["ab"]) == {"32", "64"} and all(x > 0 for x in gauges["ab"].values()) and gauges["value"] > 0
     assert all(isinstance(t["passed"], bool) for t in targets)
     assert data["meta"]["gauge_read_us"] > 0
 

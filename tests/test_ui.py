@@ -318,6 +318,7 @@ async def test_new_chat_and_clear(stories4_path):
         assert stats.prefix_tokens == stats.reused_tokens == stats.prompt_tokens - 1 > 20
         assert any(n.title == "prefix store" and n.message.startswith(f"reused {stats.prefix_tokens} prefix tokens")
                    for n in app._notifications)
+        assert app.store_notes[-1] == ("note", stats.prefix_line())
 
 
 # ---- cache modes --------------------------------------------------------------------------------------------

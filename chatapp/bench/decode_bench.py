@@ -42,7 +42,9 @@ so its cache grows by about the whole history each token; a preallocated one wri
 
 Gauges. ``prealloc, gauges off`` is prealloc with the Session's memory gauges off
 (``Session.gauges = False``); it runs in every repeat next to prealloc, and the paired ratio
-(gauges on / off) shows what reading the gauges every few tokens costs a decode step.
+(gauges on / off) shows what is visible of their cost. The cost itself is measured directly
+(``gauge_cost_us``: one reading, timed over 20,000) and set against the median prealloc step:
+the target is under 0.1% of a step.
 
 Models (``--models``, comma list): a model folder (loaded with ``load_model``: float32
 activations on CPU), ``llama2-7b-geometry`` (a random-weight 4-bit Llama built at bench time:
@@ -70,7 +72,7 @@ MLX_LM = "mlx-lm"
 NO_GAUGES = "prealloc, gauges off"
 
 PREALLOC_RATIO = 0.95  # chatapp prealloc tok/s / mlx-lm tok/s, at every context
-GAUGES_RATIO = 0.98  # prealloc tok/s with the memory gauges / without them (paired), at every context
+GAUGES_SHARE = 0.001  # the memory gauges' cost per token, as a share of a prealloc decode step
 FLAT_RATIO = 0.90  # window modes: tok/s past the budget / tok/s at the budget (paired per repeat)
 
 
@@ -375,7 +377,9 @@ def bench_model(args, spec: str, log=print) -> dict[str, Any]:
                 skipped=skipped, points=points, peak_memory=mx.get_peak_memory())
 
 
-def check_targets(args, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_targets(args, results: list[dict[str, Any]], gauge_us: float) -> list[dict[str, Any]]:
+    from chatapp.engine.session import LIVE_VIEW_EVERY
+
     out = []
     ctxs = args.contexts
     for r in results:
@@ -389,16 +393,17 @@ def check_targets(args, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 detail=f"worst at context {worst}: {ratios[worst]:.3f}; "
                        + ", ".join(f"{c}: {x:.2f}" for c, x in ratios.items())))
         if NO_GAUGES in pts:
-            # Paired per repeat: prealloc with the gauges over prealloc without them, same repeat and context.
+            # The gauges' own cost per token against a decode step; the paired A/B (prealloc with
+            # the gauges over prealloc without, same repeat and context) shows what is visible of it.
+            share = max(gauge_us / LIVE_VIEW_EVERY / (pts["prealloc"][c]["median_step_ms"] * 1000) for c in ctxs)
             ratios = {c: statistics.median(a / b for a, b in zip(pts["prealloc"][c]["run_tps"],
                                                                   pts[NO_GAUGES][c]["run_tps"])) for c in ctxs}
-            worst = min(ratios, key=ratios.get)
             out.append(dict(
-                model=r["name"], target=f"memory gauges cost nothing measurable: prealloc tok/s with them >= "
-                                        f"{GAUGES_RATIO} x without, at every context",
-                value=round(ratios[worst], 3), passed=ratios[worst] >= GAUGES_RATIO,
-                detail=f"worst at context {worst}: {ratios[worst]:.3f}; "
-                       + ", ".join(f"{c}: {x:.3f}" for c, x in ratios.items())))
+                model=r["name"], target=f"memory gauges cost under {GAUGES_SHARE:.1%} of a decode step",
+                value=share, passed=share < GAUGES_SHARE,
+                detail=f"{gauge_us:.2f} us per reading, one every {LIVE_VIEW_EVERY} tokens: {share:.5%} of the "
+                       f"median prealloc step at worst; A/B tok/s with / without them (paired): "
+                       + ", ".join(f"{c}: {x:.3f}" for c, x in ratios.items()), ab=ratios))
         for mode in ("window", "window-quant"):
             if mode not in pts:
                 continue
@@ -438,8 +443,8 @@ def run(args) -> int:
         print("# WARNING: no optimised BLAS loaded (run through `chatapp bench`); numbers use the reference BLAS")
     specs = [s.strip() for s in args.models.split(",") if s.strip()]
     results = [bench_model(args, spec) for spec in specs]
-    targets = check_targets(args, results)
     gauge_us = gauge_cost_us()
+    targets = check_targets(args, results, gauge_us)
 
     rep = BenchReport("decode tok/s: chatapp cache modes vs mlx-lm, caches pre-filled with the same synthetic K/V",
                       ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio", "peak MiB",

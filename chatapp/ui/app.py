@@ -270,6 +270,7 @@ class ChatApp(App[int]):
         self.conv_memory.extend(stats.memory_trace)
         self.memory = stats.memory if stats.memory_trace else self.memory
         if stats.prefix_tokens:  # every time, not once per kind like the notices below
+            self.store_notes.append(("note", stats.prefix_line()))
             self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
             self._notice(note)
