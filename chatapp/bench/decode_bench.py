@@ -32,7 +32,8 @@ Settings are *not* fitted to a model's trained context here: this is a speed ben
 
 Memory. After the timed repeats, one more run per context and peer measures the allocator
 (``mx.get_active_memory`` / ``get_cache_memory`` / ``get_peak_memory``, read after every token):
-``peak MiB`` is the highest active memory during the run above what was held before it; ``active
+``peak MiB`` is the highest active memory during the run above what was held before it (the run
+fills a new cache with the synthetic K/V, so the cache's own copy of it is included); ``active
 B/tok`` and ``cache B/tok`` are how much active memory and MLX's buffer cache grew per decoded
 token (the median over the run's tokens, each read once its step has finished). For that run the cache limit is raised to the memory
 limit, so no freed buffer goes back to the system and the cache growth counts every buffer the
@@ -470,7 +471,7 @@ def run(args) -> int:
                "mlx-lm run tok/s, same repeat and context); the targets use paired ratios",
         held="tokens the chatapp cache holds after the fill (window modes evict down to their budget)",
         memory="one extra run per context and peer, cache limit raised to the memory limit: peak MiB = peak active "
-               "memory above what was held before the run; active / cache B/tok = growth of active memory and of "
+               "memory above what was held before the run (the cache's copy of the fill included); active / cache B/tok = growth of active memory and of "
                "MLX's buffer cache per decoded token (their sum: bytes newly allocated per token)",
         settings=f"window={args.window} sinks={args.sinks} max_kv_tokens={args.max_kv_tokens} "
                  f"evict_chunk={args.evict_chunk} quant_start={args.quant_start} kv_bits={args.kv_bits} "
