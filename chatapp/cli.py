@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chatapp",
         description="Chat with a local LLM on MLX; stays fast when the conversation gets long.",
-        epilog="Saved conversations: chatapp sessions {list,export,rename,delete} --help. "
-        "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume} --help",
+        epilog="Saved conversations: chatapp sessions {list,export,rename,delete,prefixes} --help. "
+        "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume,prefix} --help",
     )
     p.add_argument("--model", "-m", help="Hugging Face repo id or local folder (default from config)")
     p.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
@@ -277,7 +277,8 @@ def run_no_tui(args, config, blas) -> int:
     # folder or network leaves no trace there.
     resume_id = getattr(args, "resume_id", None)
     chat = open_chat(session, ModelIdentity.from_loaded(loaded, config.model.id), resolve_data_dir(config),
-                     save=not args.no_save, resume=resume_id, snapshot_cap_mb=config.data.snapshot_cap_mb)
+                     save=not args.no_save, resume=resume_id, snapshot_cap_mb=config.data.snapshot_cap_mb,
+                     prefix_cap_mb=config.data.prefix_cap_mb)
     _print_notes(chat, err_safe)
     info = chat.resume_info
     if info is not None and info.from_snapshot and args.verbose:
@@ -327,13 +328,15 @@ def run_no_tui(args, config, blas) -> int:
                     if args.verbose:
                         for n in ev.stats.notices:
                             print(f"chatapp: note: {n}", file=sys.stderr)
+                        if ev.stats.prefix_tokens:
+                            print(f"chatapp: {ev.stats.prefix_line()}", file=sys.stderr)
                         print(f"chatapp: {ev.stats.short()}", file=sys.stderr)
                     finish = "cancelled" if ev.stats.finish == "cancelled" else "ok"
                     break
         finally:
             state["replying"] = False
         _print_notes(chat, err_safe)
-        chat.save_snapshot()  # idle now: keep the caches for --resume
+        chat.after_turn()  # idle now: the snapshot for --resume, the first turn's prompt for the prefix store
         _print_notes(chat, err_safe)
         return finish
 
@@ -406,11 +409,14 @@ def build_sessions_parser() -> argparse.ArgumentParser:
     rn.add_argument("name", nargs="+", help="the new name")
     rm = sub.add_parser("delete", parents=[common], help="delete a conversation and its snapshot")
     rm.add_argument("id", help="conversation id, or 'latest'")
+    px = sub.add_parser("prefixes", parents=[common], help="list (or --clear) the shared-prefix KV store")
+    px.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    px.add_argument("--clear", action="store_true", help="remove every stored prefix")
     return p
 
 
 def sessions_main(argv: list[str]) -> int:
-    """`chatapp sessions list|export|rename|delete`: no model, no MLX."""
+    """`chatapp sessions list|export|rename|delete|prefixes`: no model, no MLX."""
     import time
 
     from .store import NotFound, StoreBusy, StoreError, export, resolve_data_dir
@@ -422,6 +428,8 @@ def sessions_main(argv: list[str]) -> int:
     config = load_config(args.config, overrides)
     data_dir = resolve_data_dir(config)
     try:
+        if args.command == "prefixes":
+            return _prefixes_command(data_dir, config.data.prefix_cap_mb, clear=args.clear, as_json=args.json)
         with ChatStore.open(data_dir, write=False) as store:
             if args.command == "list":
                 convs = store.list_conversations()
@@ -468,3 +476,47 @@ def sessions_main(argv: list[str]) -> int:
     except OSError as e:
         print(f"chatapp: error: {data_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
+
+
+def _prefixes_command(data_dir, cap_mb: int, clear: bool, as_json: bool) -> int:
+    """`chatapp sessions prefixes [--clear] [--json]`: what the shared-prefix KV store holds.
+    ``--clear`` takes the data directory's lock (StoreBusy and OSError go to sessions_main's handlers)."""
+    import time
+
+    from .store.lock import DataDirLock
+    from .store.paths import prefix_dir
+    from .store.prefixes import BlockInfo, PrefixStore, stored_prefixes
+    from .textsafe import printable
+
+    store = PrefixStore(prefix_dir(data_dir), cap_mb << 20, writable=False)
+    if clear:
+        if not store.dir.is_dir():
+            print(f"no prefix store in {data_dir}")
+            return 0
+        with DataDirLock.acquire(data_dir):
+            n, size = store.clear()
+        print(f"removed {n} prefix blocks ({size / (1 << 20):.1f} MiB) from {store.dir}")
+        return 0
+    blocks = store.blocks()
+    infos = [b for b in blocks if isinstance(b, BlockInfo)]
+    unreadable = len(blocks) - len(infos)
+    prefixes = stored_prefixes(infos)
+    total = sum(b.size for b in infos)
+    if as_json:
+        print(json.dumps({"dir": str(store.dir), "cap_bytes": store.cap_bytes, "bytes": total, "blocks": len(infos),
+                          "unreadable_blocks": unreadable, "prefixes": [p.to_json() for p in prefixes]}, indent=2))
+        return 0
+    if not blocks:
+        print(f"no stored prefixes in {store.dir}")
+        return 0
+    rows = [("ID", "LAST USED", "TOKENS", "BLOCKS", "MiB", "FORMAT", "MODEL")]
+    for p in prefixes:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(p.last_used))
+        rows.append((p.id[:12] + ("" if p.complete else " (unreachable)"), when, str(p.tokens), str(p.blocks),
+                     f"{p.bytes / (1 << 20):.1f}", printable(p.prompt_format), printable(p.model_id)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
+    print(f"{len(infos)} blocks, {total / (1 << 20):.1f} MiB of {cap_mb} MiB (data.prefix_cap_mb)"
+          + (f"; {unreadable} unreadable (removed when next met)" if unreadable else ""))
+    return 0

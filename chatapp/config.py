@@ -51,6 +51,7 @@ __all__ = [
     "CpuConfig",
     "UiConfig",
     "DataConfig",
+    "MemoryConfig",
     "Config",
     "SECTIONS",
     "setting_keys",
@@ -370,6 +371,15 @@ class DataConfig:
 
     dir: str = _setting("", _Str())
     snapshot_cap_mb: int = _setting(2048, _Int(minimum=0))
+    prefix_cap_mb: int = _setting(2048, _Int(minimum=0))
+
+
+@dataclass
+class MemoryConfig:
+    """``[memory]``: MLX's allocator limits (0 / -1 keep MLX's own defaults)."""
+
+    limit_mb: int = _setting(0, _Int(minimum=0))
+    cache_limit_mb: int = _setting(-1, _Int(minimum=-1))
 
 
 #: Section name -> section dataclass, in file order.
@@ -381,6 +391,7 @@ SECTIONS: dict[str, type] = {
     "cpu": CpuConfig,
     "ui": UiConfig,
     "data": DataConfig,
+    "memory": MemoryConfig,
 }
 
 _RULES: dict[str, _Rule] = {
@@ -415,6 +426,7 @@ class Config:
     cpu: CpuConfig = field(default_factory=CpuConfig)
     ui: UiConfig = field(default_factory=UiConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def get(self, dotted: str) -> Any:

@@ -67,25 +67,34 @@ def test_decode_bench_smoke(tmp_path, capsys):
     from chatapp.bench import decode_bench
 
     js, png = outputs(tmp_path, "decode")
-    args = parse("decode", ["--models", "tiny", "--contexts", "32,64", "--tokens", "2", "--repeats", "1",
+    args = parse("decode", ["--models", "tiny", "--contexts", "32,64", "--tokens", "8", "--repeats", "1",
                             "--window", "32", "--max-kv-tokens", "48", "--evict-chunk", "16",
                             "--quant-start", "16", "--json", str(js), "--plot", str(png)])
     assert decode_bench.run(args) == 0
     data = check_files(js, png)
-    assert data["columns"] == ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio"]
-    assert len(data["rows"]) == 2 * len(decode_bench.MODES)
-    for model, ctx, mode, held, tps, base, ratio in data["rows"]:
-        assert model == "tiny" and ctx in (32, 64) and mode in decode_bench.MODES
+    assert data["columns"] == ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio", "peak MiB",
+                               "active B/tok", "cache B/tok"]
+    assert len(data["rows"]) == 2 * (len(decode_bench.MODES) + 1)  # every mode, and mlx-lm, per context
+    churn = {}
+    for model, ctx, mode, held, tps, base, ratio, peak, active, cache in data["rows"]:
+        assert model == "tiny" and ctx in (32, 64) and mode in (*decode_bench.MODES, decode_bench.MLX_LM)
         assert tps > 0 and base > 0 and ratio == pytest.approx(tps / base, rel=0.01)
+        assert peak > 0
+        churn[(ctx, mode)] = active + cache
         if mode in ("prealloc", "concat", "quantized"):
             assert held == ctx
+    # concat allocates a new, larger K/V every token; prealloc writes in place
+    assert churn[(64, "concat")] > 4 * max(churn[(64, "prealloc")], 1)
     # window keeps sinks + window = 36 tokens once the fill passed its budget plus a chunk
     held = {(r[1], r[2]): r[3] for r in data["rows"]}
     assert held[(64, "window")] == 36
     assert held[(64, "window-quant")] == 48
     targets = data["meta"]["targets"]
     assert any(t["target"].startswith("prealloc") for t in targets)
+    [gauges] = [t for t in targets if t["target"].startswith("memory gauges")]  # the gauges' A/B ran
+    assert set(gauges["ab"]) == {"32", "64"} and all(x > 0 for x in gauges["ab"].values()) and gauges["value"] > 0
     assert all(isinstance(t["passed"], bool) for t in targets)
+    assert data["meta"]["gauge_read_us"] > 0
 
 
 def test_decode_bench_skips_what_the_model_cannot_run(tmp_path):
@@ -134,3 +143,25 @@ def test_quality_bench_skips_quantised_kv_on_head_dim_8(tmp_path, stories4_path)
     data = check_files(js, png)
     assert [r[0] for r in data["rows"]] == ["prealloc"]
     assert "head_dim (8)" in data["meta"]["skipped quantized"]
+
+
+def test_prefix_bench_smoke(tmp_path, monkeypatch):
+    from chatapp.bench import prefix_bench
+
+    monkeypatch.setattr(prefix_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    js, png = outputs(tmp_path, "prefix")
+    args = parse("prefix", ["--models", "random", "--random-tokenizer", "bytes", "--system-tokens", "300",
+                            "--repeats", "2", "--max-tokens", "4",
+                            "--json", str(js), "--plot", str(png)])
+    assert prefix_bench.run(args) == 0
+    data = check_files(js, png)
+    assert data["columns"][:4] == ["model", "system tokens", "prompt tokens", "from store"]
+    [row] = data["rows"]
+    assert row[0] == "random" and row[1] == 300 and row[2] > 300
+    # the warm run took the system prompt, and the first message's shared tokens, from the store
+    assert 300 <= row[3] < row[2] and row[4] > 0
+    assert row[5] > 0 and row[6] > 0 and row[-1] == "yes"
+    run = data["meta"]["runs"][0]
+    assert all(w["prefilled"] == w["prompt"] - w["prefix"] for w in run["warm"])
+    assert all(c["prefix"] == 0 and c["prefilled"] == c["prompt"] for c in run["cold"])
+    assert data["meta"]["targets"] == []  # no length reached the 2,000-token target here

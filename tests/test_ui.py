@@ -7,8 +7,11 @@ events by polling with ``pilot.pause()`` until a condition holds, with a timeout
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import io
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -40,9 +43,13 @@ def async_test(fn):
 
 
 def make_config(model_path, **overrides):
+    # Each app gets its own data directory, so what one test saved (conversations, the prefix
+    # store) never changes what another one sees.
+    data_dir = tempfile.mkdtemp(prefix="chatapp-ui-test-")
+    atexit.register(shutil.rmtree, data_dir, True)
     values = {
         "model.id": str(model_path), "sampling.temp": 0.0, "sampling.seed": 0, "sampling.max_tokens": 24,
-        "ui.render_interval_ms": 20,
+        "ui.render_interval_ms": 20, "data.dir": data_dir,
     }
     values.update(overrides)
     return load_config(overrides=values)
@@ -306,7 +313,12 @@ async def test_new_chat_and_clear(stories4_path):
         assert [e.role for e in app.entries] == ["system"] and app.conv_steps == []
         assert "Be [bold]nice[/]." in await screen_text(pilot)
         await turn(pilot, "Hello")
-        assert app.last_stats.reused_tokens == 0
+        # The new chat starts warm: the first one's prompt came from the prefix store.
+        stats = app.last_stats
+        assert stats.prefix_tokens == stats.reused_tokens == stats.prompt_tokens - 1 > 20
+        assert any(n.title == "prefix store" and n.message.startswith(f"reused {stats.prefix_tokens} prefix tokens")
+                   for n in app._notifications)
+        assert app.store_notes[-1] == ("note", stats.prefix_line())
 
 
 # ---- cache modes --------------------------------------------------------------------------------------------
@@ -455,6 +467,35 @@ async def test_side_panel_shows_steps_layers_and_modes(stories4_path):
         assert "Decode step time vs context" in await screen_text(pilot)
         await pilot.press("f2")
         assert not panel.display
+
+
+@async_test
+async def test_memory_gauges_in_the_status_bar_and_the_side_panel(stories4_path):
+    from chatapp.engine.stats import fmt_bytes
+    from chatapp.ui.widgets import MemoryChart
+
+    app = make_app(stories4_path, freeze_stats=False)
+    async with app.run_test(size=(140, 40)) as pilot:
+        await ready(pilot)
+        status = app.query_one(StatusBar)
+        assert app.memory is not None and app.memory.active > 0  # read when the session was described
+        await turn(pilot, "Tell me about a cat.")
+        await turn(pilot, "What did the cat eat?")
+        g = app.last_stats.memory
+        assert 0 < g.active <= g.peak < g.total and g.kv_held == app.last_stats.cache.bytes_held
+        plain = status.plain
+        assert f"MLX {fmt_bytes(g.active)} act · {fmt_bytes(g.cache)} cache · {fmt_bytes(g.peak)} peak" in plain
+        assert "mem KV " in plain and " · act " in plain and " · peak " in plain
+        await pilot.press("f2")
+        await pilot.pause()
+        chart = app.query_one(MemoryChart)
+        assert chart.now == g and len(chart.trace) == len(app.conv_memory) >= 2 * 2  # two turns, 2+ readings each
+        assert [r.tokens for r in chart.trace] == sorted(r.tokens for r in chart.trace)
+        text = await screen_text(pilot)
+        assert "MLX memory over the conversation" in text and "MLX active" in text and "buffer cache" in text
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="new chat")
+        assert app.conv_memory == []
 
 
 # ---- screens ----------------------------------------------------------------------------------------------

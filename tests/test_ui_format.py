@@ -10,11 +10,12 @@ from rich.cells import cell_len
 from rich.console import Console
 from textual.app import App
 
-from chatapp.engine.stats import CacheView, StepStat, TurnStats
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 from chatapp.ui.bridge import LoadProgress
 from chatapp.ui.format import (
-    MODES, context_bucket, fmt_rate, fmt_seconds_ms, fmt_share, freeze, hbar, live_cache, mode_table,
-    model_label, next_mode, pack, render_lines, status_items, steps_by_context, validate_mode_fields,
+    MODES, StatusItem, context_bucket, fmt_rate, fmt_seconds_ms, fmt_share, freeze, hbar, live_cache, memory_items,
+    mode_table, model_label, next_mode, pack, render_lines, spark, status_items, steps_by_context,
+    validate_mode_fields,
 )
 from chatapp.ui.screens import CompareScreen, LoadingScreen
 from chatapp.ui.widgets import AssistantMessage, LayerGauge, StatusBar, UserMessage
@@ -48,6 +49,11 @@ def test_freeze_is_deterministic_and_keeps_counts():
     assert (fa.ttft, fa.decode_tps, fa.prefill_tps, fa.cache.memory_total) == \
         (fb.ttft, fb.decode_tps, fb.prefill_tps, fb.cache.memory_total)
     assert [s.ms for s in fa.steps] == [s.ms for s in fb.steps]
+    a.memory = MemoryGauges(active=123, cache=5, peak=999, total=7, kv_held=1000, tokens=60)
+    b.memory = MemoryGauges(active=456, cache=9, peak=777, total=8, kv_held=1000, tokens=60)
+    a.memory_trace, b.memory_trace = [a.memory], [b.memory]
+    fa, fb = freeze(a), freeze(b)
+    assert fa.memory == fb.memory and fa.memory_trace == fb.memory_trace and fa.memory.active > fa.memory.kv_held
     assert fa.generated_tokens == a.generated_tokens and fa.cache.tokens == 60
     assert a.ttft == 0.123  # the original is untouched
 
@@ -92,6 +98,29 @@ def test_status_items_and_packing():
 def test_hbar():
     assert hbar(0, 10, 5) == "     " and hbar(10, 10, 5) == "█████" and hbar(20, 10, 4) == "████"
     assert hbar(5, 10, 4) == "██  " and len(hbar(3, 7, 9)) == 9 and hbar(1, 0, 3) == "   "
+
+
+def test_spark():
+    assert spark([], 5) == "" and spark([1, 2], 0) == ""
+    assert spark([0, 0, 0], 8) == "▁▁▁"
+    assert spark([1, 2, 3, 4, 5, 6, 7, 8], 8) == "▂▃▄▅▅▆▇█"
+    line = spark(list(range(100)) + [1000], 10)  # more values than cells: each cell keeps its largest
+    assert len(line) == 10 and line[-1] == "█" and line[0] == "▁"
+
+
+def test_memory_items_and_packing_that_skips_what_does_not_fit():
+    assert [i.value for i in memory_items(None, 0)] == ["—", "—"]
+    g = MemoryGauges(active=12 << 20, cache=3 << 20, peak=15 << 20, total=16 << 30, kv_held=1 << 20)
+    mlx, mem = memory_items(g, 1 << 20)
+    assert mlx.value == "12.0 MiB act · 3.0 MiB cache · 15.0 MiB peak"
+    assert mem.value == "KV <0.01% · act 0.07% · peak 0.09%"
+    s = stats(tokens=60, capacity=256, bytes_held=1 << 20, memory_total=16 << 30)
+    s.memory = g
+    items = status_items("m", "prealloc", s, s.cache, memory=None)
+    assert any(i.label == "MLX" and i.value == mlx.value for i in items)  # the turn's own reading
+    # once the lines are full, a long item is left out and a later, shorter one still fits
+    lines = pack([StatusItem("", "a" * 30), StatusItem("", "b" * 30), StatusItem("", "c" * 5)], 40, max_lines=1)
+    assert [[i.value for i in line] for line in lines] == [["a" * 30, "c" * 5]]
 
 
 def test_steps_by_context():

@@ -16,6 +16,7 @@ BENCHES = {
     "quality": "chatapp.bench.quality_bench",
     "cpu": "chatapp.bench.cpu_bench",
     "resume": "chatapp.bench.resume_bench",
+    "prefix": "chatapp.bench.prefix_bench",
     "distributed": "chatapp.bench.distributed_bench",
 }
 

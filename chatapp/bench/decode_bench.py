@@ -30,6 +30,23 @@ context (``--window``, ``--max-kv-tokens``) so they hold a fixed number of token
 Settings are *not* fitted to a model's trained context here: this is a speed benchmark
 (stories260K's 512 positions matter for quality, see ``chatapp bench quality``).
 
+Memory. After the timed repeats, one more run per context and peer measures the allocator
+(``mx.get_active_memory`` / ``get_cache_memory`` / ``get_peak_memory``, read after every token):
+``peak MiB`` is the highest active memory during the run above what was held before it (the run
+fills a new cache with the synthetic K/V, so the cache's own copy of it is included); ``active
+B/tok`` and ``cache B/tok`` are how much active memory and MLX's buffer cache grew per decoded
+token (the median over the run's tokens, each read once its step has finished). For that run the cache limit is raised to the memory
+limit, so no freed buffer goes back to the system and the cache growth counts every buffer the
+allocator could not reuse: active + cache growth is the bytes newly allocated per decoded token.
+A cache that concatenates (``concat``) frees its whole K/V and allocates a larger one every step,
+so its cache grows by about the whole history each token; a preallocated one writes in place.
+
+Gauges. ``prealloc, gauges off`` is prealloc with the Session's memory gauges off
+(``Session.gauges = False``); it runs in every repeat next to prealloc, and the paired ratio
+(gauges on / off) shows what is visible of their cost. The cost itself is measured directly
+(``gauge_cost_us``: one reading, timed over 20,000) and set against the median prealloc step:
+the target is under 0.1% of a step.
+
 Models (``--models``, comma list): a model folder (loaded with ``load_model``: float32
 activations on CPU), ``llama2-7b-geometry`` (a random-weight 4-bit Llama built at bench time:
 Llama-2-7B attention geometry, 32 heads of 128 (MHA), hidden 4096, intermediate 11008, vocab
@@ -53,8 +70,10 @@ BIG = "llama2-7b-geometry"
 TINY = "tiny"
 MODES = ("concat", "prealloc", "quantized", "window", "window-quant")
 MLX_LM = "mlx-lm"
+NO_GAUGES = "prealloc, gauges off"
 
 PREALLOC_RATIO = 0.95  # chatapp prealloc tok/s / mlx-lm tok/s, at every context
+GAUGES_SHARE = 0.001  # the memory gauges' cost per token, as a share of a prealloc decode step
 FLAT_RATIO = 0.90  # window modes: tok/s past the budget / tok/s at the budget (paired per repeat)
 
 
@@ -166,8 +185,11 @@ def _fill(caches, kv) -> None:
     mx.eval([c.state for c in caches])
 
 
-def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int) -> tuple[list[float], int]:
-    """Step intervals (ms) of the Session's decode loop over caches filled with ``kv``."""
+def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: bool = True,
+                   on_token=None) -> tuple[list[float], int]:
+    """Step intervals (ms) of the Session's decode loop over caches filled with ``kv``;
+    ``gauges``: the Session reads MLX's memory gauges as in the app; ``on_token()`` runs after
+    every token."""
     import mlx.core as mx
 
     from cache import make_caches
@@ -180,6 +202,7 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int) -> tuple[
     # The speed bench uses the settings as given (Session would fit window budgets to the
     # model's trained context), on caches filled with the shared synthetic K/V.
     session.settings = settings
+    session.gauges = gauges
     session.caches = make_caches(model, settings, session.geometry)
     _fill(session.caches, kv)
     held = session.caches[0].offset
@@ -193,12 +216,14 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int) -> tuple[
     for ev in session._decode(logits, stats, t0):
         if isinstance(ev, TurnDone):
             done = ev
+        elif on_token is not None:
+            on_token()
     if done.stats.generated_tokens != n + 1:
         raise RuntimeError(f"chatapp decoded {done.stats.generated_tokens} tokens, expected {n + 1}")
     return [s.ms for s in stats.steps], held
 
 
-def decode_mlx_lm(model, tokenizer, kv, start: int, n: int) -> list[float]:
+def decode_mlx_lm(model, tokenizer, kv, start: int, n: int, on_token=None) -> list[float]:
     """Step intervals (ms) of mlx_lm.stream_generate over its own KVCache filled with ``kv``."""
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -212,11 +237,63 @@ def decode_mlx_lm(model, tokenizer, kv, start: int, n: int) -> list[float]:
         stamps = []
         for _ in stream_generate(model, tokenizer, mx.array([start]), max_tokens=n + 1, prompt_cache=pc):
             stamps.append(time.perf_counter())
+            if on_token is not None:
+                on_token()
     finally:
         tokenizer.eos_token_ids = saved
     if len(stamps) != n + 1:
         raise RuntimeError(f"mlx-lm decoded {len(stamps)} tokens, expected {n + 1}")
     return [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+
+
+def decode_peer(model, tokenizer, args, peer: str, kv, start: int, n: int, on_token=None) -> tuple[list[float], int]:
+    """One run of ``peer`` (mlx-lm, a cache mode, or prealloc with the gauges off): step ms, tokens held."""
+    if peer == MLX_LM:
+        return decode_mlx_lm(model, tokenizer, kv, start, n, on_token), kv[0][0].shape[2]
+    mode = "prealloc" if peer == NO_GAUGES else peer
+    return decode_chatapp(model, tokenizer, settings_for(args, mode), kv, start, n, gauges=peer != NO_GAUGES,
+                          on_token=on_token)
+
+
+def memory_run(model, tokenizer, args, peer: str, kv, start: int, n: int) -> dict[str, float]:
+    """The allocator during one run of ``peer``: peak above the memory held before it, and the growth
+    of active memory and of the buffer cache per decoded token, with the cache limit raised so that
+    every buffer that could not be reused shows (see the module docstring)."""
+    import mlx.core as mx
+
+    readings: list[tuple[int, int]] = []
+
+    def read() -> None:
+        mx.synchronize()  # the next step is in flight (pipelining): let it land so readings are alike
+        readings.append((mx.get_active_memory(), mx.get_cache_memory()))
+
+    limit = mx.set_cache_limit(mx.get_memory_limit())
+    try:
+        _release()
+        before = mx.get_active_memory()
+        mx.reset_peak_memory()
+        decode_peer(model, tokenizer, args, peer, kv, start, n, on_token=read)
+        peak = mx.get_peak_memory()
+    finally:
+        mx.set_cache_limit(limit)
+        _release()
+    # Median of the per-token growth: one step that frees something the fill left behind does not
+    # swing it, and the first token (which allocates the step's buffers once) is left out.
+    pairs = list(zip(readings, readings[1:])) or [(readings[0], readings[0])]
+    return dict(peak_mib=(peak - before) / (1 << 20),
+                active_per_token=statistics.median(b[0] - a[0] for a, b in pairs),
+                cache_per_token=statistics.median(b[1] - a[1] for a, b in pairs))
+
+
+def gauge_cost_us(calls: int = 20000) -> float:
+    """Microseconds one reading of the memory gauges takes (what the Session does every few tokens)."""
+    from chatapp.engine.memory import read_gauges
+
+    read_gauges()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        read_gauges(kv_held=1, tokens=1)
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def _release() -> None:
@@ -249,15 +326,15 @@ def bench_model(args, spec: str, log=print) -> dict[str, Any]:
             skipped[mode] = str(e)
             log(f"# {m['name']}: skipping {mode}: {e}")
 
+    if "prealloc" in peers:
+        peers.insert(peers.index("prealloc") + 1, NO_GAUGES)
+
     vocab = getattr(getattr(model, "args", None), "vocab_size", 256)
     start = min(vocab - 1, 65)
     # Warm-up (untimed): one short run per peer on the smallest context.
     kv = synthetic_kv(geom, args.contexts[0], args.seed)
     for peer in peers:
-        if peer == MLX_LM:
-            decode_mlx_lm(model, tokenizer, kv, start, 2)
-        else:
-            decode_chatapp(model, tokenizer, settings_for(args, peer), kv, start, 2)
+        decode_peer(model, tokenizer, args, peer, kv, start, 2)
     del kv
 
     # Every repeat visits every context and every peer, in forward then reverse order on
@@ -271,17 +348,14 @@ def bench_model(args, spec: str, log=print) -> dict[str, Any]:
         for ctx in ctx_order:
             order = peers if rep % 2 == 0 else peers[::-1]
             for peer in order:
-                if peer == MLX_LM:
-                    ms = decode_mlx_lm(model, tokenizer, kvs[ctx], start, tokens)
-                    held[(peer, ctx)] = ctx
-                else:
-                    ms, held[(peer, ctx)] = decode_chatapp(model, tokenizer, settings_for(args, peer), kvs[ctx],
-                                                           start, tokens)
+                ms, held[(peer, ctx)] = decode_peer(model, tokenizer, args, peer, kvs[ctx], start, tokens)
                 steps[peer][ctx] += ms
                 run_tps[peer][ctx].append(1000.0 / statistics.median(ms))
                 _release()
         log(f"# {m['name']} repeat {rep + 1}/{repeats}: " + "; ".join(
             f"{c}: " + " ".join(f"{p} {run_tps[p][c][-1]:.1f}" for p in peers) for c in args.contexts))
+    memory = {(p, c): memory_run(model, tokenizer, args, p, kvs[c], start, tokens)
+              for c in args.contexts for p in peers if p != NO_GAUGES}
     del kvs
     points: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in peers}
     for peer in peers:
@@ -296,14 +370,17 @@ def bench_model(args, spec: str, log=print) -> dict[str, Any]:
                                      median_step_ms=med, mean_step_ms=statistics.fmean(st), steps=len(st),
                                      held=held[(peer, ctx)], run_tps=run_tps[peer][ctx],
                                      ratio=statistics.median(pair),
-                                     best_ratio=max(run_tps[peer][ctx]) / max(run_tps[MLX_LM][ctx]))
+                                     best_ratio=max(run_tps[peer][ctx]) / max(run_tps[MLX_LM][ctx]),
+                                     **memory.get((peer, ctx), {}))
     del model
     _release()
     return dict(name=m["name"], desc=m["desc"], tokens=tokens, repeats=repeats, peers=peers,
                 skipped=skipped, points=points, peak_memory=mx.get_peak_memory())
 
 
-def check_targets(args, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def check_targets(args, results: list[dict[str, Any]], gauge_us: float) -> list[dict[str, Any]]:
+    from chatapp.engine.session import LIVE_VIEW_EVERY
+
     out = []
     ctxs = args.contexts
     for r in results:
@@ -316,6 +393,18 @@ def check_targets(args, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 value=round(ratios[worst], 3), passed=ratios[worst] >= PREALLOC_RATIO,
                 detail=f"worst at context {worst}: {ratios[worst]:.3f}; "
                        + ", ".join(f"{c}: {x:.2f}" for c, x in ratios.items())))
+        if NO_GAUGES in pts:
+            # The gauges' own cost per token against a decode step; the paired A/B (prealloc with
+            # the gauges over prealloc without, same repeat and context) shows what is visible of it.
+            share = max(gauge_us / LIVE_VIEW_EVERY / (pts["prealloc"][c]["median_step_ms"] * 1000) for c in ctxs)
+            ratios = {c: statistics.median(a / b for a, b in zip(pts["prealloc"][c]["run_tps"],
+                                                                  pts[NO_GAUGES][c]["run_tps"])) for c in ctxs}
+            out.append(dict(
+                model=r["name"], target=f"memory gauges cost under {GAUGES_SHARE:.1%} of a decode step",
+                value=share, passed=share < GAUGES_SHARE,
+                detail=f"{gauge_us:.2f} us per reading, one every {LIVE_VIEW_EVERY} tokens: {share:.5%} of the "
+                       f"median prealloc step at worst; A/B tok/s with / without them (paired): "
+                       + ", ".join(f"{c}: {x:.3f}" for c, x in ratios.items()), ab=ratios))
         for mode in ("window", "window-quant"):
             if mode not in pts:
                 continue
@@ -355,19 +444,25 @@ def run(args) -> int:
         print("# WARNING: no optimised BLAS loaded (run through `chatapp bench`); numbers use the reference BLAS")
     specs = [s.strip() for s in args.models.split(",") if s.strip()]
     results = [bench_model(args, spec) for spec in specs]
-    targets = check_targets(args, results)
+    gauge_us = gauge_cost_us()
+    targets = check_targets(args, results, gauge_us)
 
     rep = BenchReport("decode tok/s: chatapp cache modes vs mlx-lm, caches pre-filled with the same synthetic K/V",
-                      ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio"])
+                      ["model", "context", "mode", "held", "tok/s", "mlx-lm tok/s", "ratio", "peak MiB",
+                       "active B/tok", "cache B/tok"])
     for r in results:
         pts = r["points"]
         for ctx in args.contexts:
-            base = pts[MLX_LM][ctx]["tps"]
+            base = pts[MLX_LM][ctx]
             for mode in args.modes:
                 if mode in r["skipped"]:
                     continue
                 p = pts[mode][ctx]
-                rep.add(r["name"], ctx, mode, p["held"], round(p["tps"], 2), round(base, 2), round(p["ratio"], 3))
+                rep.add(r["name"], ctx, mode, p["held"], round(p["tps"], 2), round(base["tps"], 2),
+                        round(p["ratio"], 3), round(p["peak_mib"], 2), round(p["active_per_token"]),
+                        round(p["cache_per_token"]))
+            rep.add(r["name"], ctx, MLX_LM, ctx, round(base["tps"], 2), round(base["tps"], 2), 1.0,
+                    round(base["peak_mib"], 2), round(base["active_per_token"]), round(base["cache_per_token"]))
     rep.meta.update(
         method="caches filled with the same float32 random-normal K/V per context (no prefill); chatapp = "
                "Session._decode over make_caches(mode); mlx-lm = stream_generate over make_prompt_cache; "
@@ -375,6 +470,9 @@ def run(args) -> int:
                "context and peer (order reversed on alternate repeats); ratio = median over repeats of (run tok/s / "
                "mlx-lm run tok/s, same repeat and context); the targets use paired ratios",
         held="tokens the chatapp cache holds after the fill (window modes evict down to their budget)",
+        memory="one extra run per context and peer, cache limit raised to the memory limit: peak MiB = peak active "
+               "memory above what was held before the run (the cache's copy of the fill included); active / cache B/tok = growth of active memory and of "
+               "MLX's buffer cache per decoded token (their sum: bytes newly allocated per token)",
         settings=f"window={args.window} sinks={args.sinks} max_kv_tokens={args.max_kv_tokens} "
                  f"evict_chunk={args.evict_chunk} quant_start={args.quant_start} kv_bits={args.kv_bits} "
                  f"kv_group_size={args.kv_group_size}",
@@ -385,6 +483,10 @@ def run(args) -> int:
         rep.meta[f"model {r['name']}"] = f"{r['desc']}; {r['tokens']} tokens x {r['repeats']} repeats"
         for mode, why in r["skipped"].items():
             rep.meta[f"skipped {r['name']} {mode}"] = why
+    from chatapp.engine.session import LIVE_VIEW_EVERY
+
+    rep.meta["gauge_read_us"] = round(gauge_us, 2)
+    rep.meta["gauge_reads"] = f"one every {LIVE_VIEW_EVERY} decoded tokens: {gauge_us / LIVE_VIEW_EVERY:.2f} us per token"
     rep.meta["results"] = [{k: v for k, v in r.items()} for r in results]
     rep.meta["targets"] = targets
 

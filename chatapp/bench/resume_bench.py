@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chatapp.bench.common import STORIES, fast_path, load_stories, model_names, start_bench
 from chatapp.bench.report import BenchReport, emit, line_plot, int_list
 
-STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit"
 RANDOM_SHAPE = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
                     head_dim=128, intermediate_size=2816, vocab_size=258, max_position_embeddings=4096)
 NEXT_MESSAGE = "And what happened after that?"
@@ -53,8 +53,6 @@ HISTORY = [
     ("assistant", "Tom was sad at first. Then a friendly dog named Max came and jumped into the water. Max "
                   "brought the ball back to Tom. Tom said thank you and they played together all day."),
 ]
-
-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,20 +77,7 @@ def _load(name: str, args) -> tuple[Any, Any, Any, str]:
         ident = ModelIdentity("random-4bit", "random-4bit", f"random-seed-{args.seed}")
         return model, byte_tokenizer(), ident, ("random 4-bit Llama: hidden 1024, 4 layers, 8 KV heads of 128, "
                                                 "intermediate 2816, byte tokenizer")
-    from chatapp.engine.loader import load_model
-
-    lm = load_model(args.stories)
-    desc = f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype}"
-    return lm.model, lm.tokenizer, ModelIdentity.from_loaded(lm, args.stories), desc
-
-
-def _fast_path(model, args) -> str:
-    if args.no_fast_path:
-        return "off (--no-fast-path)"
-    from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.device import pick_backend
-
-    return apply_fast_path(model, backend=pick_backend().name).summary()
+    return load_stories(args.stories)
 
 
 def _history(session, length: int):
@@ -125,8 +110,6 @@ def _history(session, length: int):
         else:
             lo = mid + 1
     return Conversation(head + [Message("assistant", " ".join(words[:lo]))])
-
-
 
 
 def _save(model, tok, ident, args, data_dir: Path, length: int) -> tuple[int, int, int]:
@@ -186,22 +169,8 @@ def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
 
 
 def run(args) -> int:
-    from transformers.utils import logging as hf_logging
-
-    from chatapp.backend.blas import current_blas
-
-    hf_logging.set_verbosity_error()  # "sequence longer than the model's maximum": expected for stories
-
-    blas = current_blas()
-    if not blas.loaded:
-        print("# WARNING: no optimised BLAS loaded (run through `chatapp bench`); numbers use the reference BLAS")
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("random", "stories")]
-    if bad or not names:
-        raise SystemExit(f"--models: unknown {bad}; use random and/or stories")
-    if "stories" in names and not (Path(args.stories) / "config.json").exists():
-        print(f"# skipping stories: no model at {args.stories}")
-        names.remove("stories")
+    blas = start_bench()
+    names = model_names(args.models, args.stories)
 
     rep = BenchReport("resume: time to first token after a restart, KV snapshot vs re-prefill (median ms)",
                       ["model", "history tokens", "snapshot MiB", "read+restore ms", "TTFT resume ms",
@@ -213,7 +182,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="chatapp-resume-bench-") as tmp:
         for name in names:
             model, tok, ident, desc = _load(name, args)
-            fp = _fast_path(model, args)
+            fp = fast_path(model, args.no_fast_path)
             models_meta[name] = dict(model=desc, fast_path=fp)
             print(f"# {name}: {desc}")
             print(f"# {fp}")

@@ -10,7 +10,6 @@ method meant to be called from another thread.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,23 +31,13 @@ from chatapp.backend.qlinear import last_position_only
 from .conversation import Conversation
 from .formats import PromptFormat
 from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
+from .memory import memory_total, read_gauges
+from .prefix import PrefixSource, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
 AUTO = "auto"
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
 LIVE_VIEW_EVERY = 8  # tokens between cache measurements while a reply streams
-
-
-def memory_total() -> int:
-    """Bytes of memory the device can use: MLX's figure on GPUs, physical RAM on the CPU backend."""
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    size = int(info.get("memory_size", 0) or 0)
-    if not size:
-        try:
-            size = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            size = 0
-    return size
 
 
 @dataclass
@@ -98,6 +87,11 @@ class Session:
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
+        # True while the caches hold every token as a full-precision prefill from empty would
+        # (no lossy conversion since they were filled); the prefix store only keeps such K/V.
+        self.kv_exact = True
+        self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
+        self.gauges = True  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
         # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
         # (<|im_end|> for chatml), and a BOS in the middle of a reply (below).
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or []) | self.format.stop_token_ids
@@ -146,8 +140,10 @@ class Session:
         self.caches, self.settings = conv.caches, settings
         self.base_settings, self.requested_mode = base, mode
         self.notices.extend(n for n in notes if n not in self.notices)
+        self.kv_exact = self.kv_exact and not conv.lossy
         if conv.action == "reprefill":
             tokens, self.cached = self.cached, []
+            self.kv_exact = True
             if tokens:
                 for _ in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
                     pass
@@ -187,8 +183,12 @@ class Session:
         keep = system if system is not None else next(
             (m.content for m in self.conversation.messages if m.role == "system"), "")
         self.conversation = Conversation.start(keep)
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
         self.cached = []
         self.caches = make_caches(self.model, self.settings, self.geometry)
+        self.kv_exact = True
 
     def cancel(self) -> None:
         """Stop the running reply between two tokens (safe from any thread)."""
@@ -202,6 +202,7 @@ class Session:
         mx.reset_peak_memory()
         prompt = self.format.tokens(self.conversation)
         stats = TurnStats(prompt_tokens=len(prompt))
+        warm_start(self, prompt, stats)  # empty caches: take what the prefix store holds of the prompt
         switch = self._apply_policy(len(prompt))
         if switch:
             stats.notices.append(switch.line())
@@ -242,8 +243,7 @@ class Session:
         sinks = self.settings.sinks if self.settings.evicts else 0
         if evicted and common < sinks + evicted:
             # The divergence lies in history the window already dropped: start over.
-            self.caches = make_caches(self.model, self.settings, self.geometry)
-            self.cached = []
+            self._reset_caches()
             return 0
         drop = len(self.cached) - common
         if drop:
@@ -264,6 +264,9 @@ class Session:
             self.cached.extend(chunk)
             if done < len(tokens):
                 mx.eval([c.state for c in self.caches])
+                if self.gauges:
+                    stats.cache = self.cache_view(scan_messages=False)
+                    self._read_memory(stats)
                 yield PrefillProgress(done, len(tokens), stats)
                 if self._cancel.is_set():
                     return
@@ -330,6 +333,7 @@ class Session:
             shown, stopped = stops.feed(detok.last_segment)
             if n % LIVE_VIEW_EVERY == 1:
                 stats.cache = self.cache_view(scan_messages=False)
+                self._read_memory(stats)
             yield TokenEvent(shown, tok, stats)
             if stopped:
                 finish = "stop"
@@ -363,7 +367,16 @@ class Session:
             stats.notices.append(switch.line())
         stats.peak_memory = mx.get_peak_memory()
         stats.cache = self.cache_view()
+        self._read_memory(stats)
         self.history.append(stats)
+
+    def _read_memory(self, stats: TurnStats) -> None:
+        """Read MLX's memory gauges into the turn's statistics (latest reading and trace)."""
+        if not self.gauges:
+            return
+        held = stats.cache.bytes_held if stats.cache.tokens else 0
+        stats.memory = read_gauges(kv_held=held, tokens=len(self.cached))
+        stats.memory_trace.append(stats.memory)
 
     def _render_as_generated(self, raw: str) -> None:
         """Set ``raw`` on the reply just added so that the transcript re-tokenises into what the
@@ -404,14 +417,17 @@ class Session:
         n = len(self.cached)
         return bool(self.caches) and all(c.offset + c.evicted == n for c in self.caches)
 
-    def restore_state(self, caches: list, cached: list[int], settings: CacheSettings) -> SwitchReport | None:
-        """Adopt caches rebuilt from a snapshot (``cache.factory.restore_caches``) holding ``cached``.
+    def restore_state(self, caches: list, cached: list[int], settings: CacheSettings,
+                      exact: bool = False) -> SwitchReport | None:
+        """Adopt caches rebuilt from a snapshot or the prefix store (``cache.factory.restore_caches``)
+        holding ``cached``; ``exact``: they hold those tokens as a full-precision prefill would.
 
         When they were made with other settings than this session would use now (another mode
         asked for, other sizes), the session switches to its own, converting the caches (or
         re-prefilling), and returns that report; otherwise None.
         """
         self.caches, self.cached, self.settings = caches, list(cached), settings
+        self.kv_exact = exact
         if self.requested_mode == AUTO:
             fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
         else:

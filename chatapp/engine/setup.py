@@ -11,6 +11,7 @@ from .formatchoice import FormatChoice, FormatRequest, RepoFacts, choose_format
 from .formats import FormatError, PromptFormat, make_format, read_template_file
 from .generate import GenerationSettings
 from .loader import DownloadProgress, LoadedModel, ModelLoadError, load_model
+from .memory import MemoryLimits, apply_limits
 from .session import Session
 
 
@@ -19,12 +20,15 @@ class SetupError(Exception):
 
 
 def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
-    """Load the model and give it the backend's fast path (the CPU plan is a no-op on GPUs)."""
+    """Set MLX's memory limits, load the model and give it the backend's fast path (the CPU plan
+    is a no-op on GPUs)."""
     if config.chat.template and not config.chat.raw:
         try:  # a missing template file is said before the model loads, not after
             read_template_file(config.chat.template)
         except FormatError as e:
             raise SetupError(str(e)) from None
+    memory_notes = apply_limits(MemoryLimits(config.memory.limit_mb, config.memory.cache_limit_mb),
+                                pick_backend().name)
     try:
         # scales stay as stored: the CPU kernels read float16 ones directly, and apply_fast_path
         # casts those of the layers that MLX runs
@@ -40,6 +44,7 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
         kernels=cpu.kernels, kernel_max_tokens=cpu.kernel_max_tokens, threads=cpu.threads,
     )
+    loaded.memory_notes = memory_notes
     return loaded
 
 
@@ -106,4 +111,5 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
         session.notices.append(f"CPU routes: {'; '.join(plan.route_lines())}")
     if plan is not None:
         session.notices.extend(plan.warnings)
+    session.notices.extend(getattr(loaded, "memory_notes", []))
     return session

@@ -43,6 +43,25 @@ class CacheView:
 
 
 @dataclass
+class MemoryGauges:
+    """One reading of MLX's allocator (see chatapp/engine/memory.py), next to the KV bytes the
+    caches hold; plain numbers, so the UI can show them without touching MLX."""
+
+    active: int = 0  # bytes in arrays MLX holds
+    cache: int = 0  # bytes of freed buffers MLX keeps for reuse
+    peak: int = 0  # highest active since the turn started
+    total: int = 0  # device memory: the budget the shares are taken of
+    kv_held: int = 0  # KV bytes the caches hold (CacheView.bytes_held)
+    tokens: int = 0  # tokens of the conversation the caches represent
+
+    def share(self, n: int) -> float:
+        return n / self.total if self.total else 0.0
+
+    def shares(self) -> dict[str, float]:
+        return {f"{name}_share": self.share(getattr(self, name)) for name in ("active", "cache", "peak", "kv_held")}
+
+
+@dataclass
 class TurnStats:
     mode: str = ""
     prompt_tokens: int = 0
@@ -54,7 +73,11 @@ class TurnStats:
     decode_seconds: float = 0.0
     finish: str = ""  # "eos", "stop", "length", "cancelled"
     peak_memory: int = 0
+    prefix_tokens: int = 0  # prompt tokens loaded from the prefix store when the turn started
+    prefix_seconds: float = 0.0  # reading them and converting them into the cache mode
     cache: CacheView = field(default_factory=CacheView)
+    memory: MemoryGauges = field(default_factory=MemoryGauges)  # the latest reading
+    memory_trace: list[MemoryGauges] = field(default_factory=list)  # readings during the turn
     notices: list[str] = field(default_factory=list)
     steps: list[StepStat] = field(default_factory=list)
 
@@ -74,9 +97,18 @@ class TurnStats:
         d["decode_tps"] = self.decode_tps
         d["cache"]["memory_share"] = self.cache.memory_share
         d["cache"]["in_view"] = self.cache.in_view
+        d["memory"].update(self.memory.shares())
         if not with_steps:
             d.pop("steps")
+            d.pop("memory_trace")
         return d
+
+    def prefix_line(self) -> str:
+        """What the prefix store saved this turn ("" when it was not used)."""
+        if not self.prefix_tokens:
+            return ""
+        return (f"reused {self.prefix_tokens} prefix tokens from the prefix store "
+                f"({self.prefix_seconds * 1000:.0f} ms)")
 
     def short(self) -> str:
         c = self.cache
@@ -85,7 +117,9 @@ class TurnStats:
             f"prefill {self.prefill_tps:.1f} tok/s | TTFT {self.ttft * 1000:.0f} ms | "
             f"decode {self.decode_tps:.1f} tok/s ({self.generated_tokens} tok, {self.finish}) | "
             f"cache {c.tokens}/{c.capacity} tok, {fmt_bytes(c.bytes_held)}/{fmt_bytes(c.bytes_allocated)} "
-            f"(full {c.full_tokens}, quant {c.quant_tokens}, evicted {c.evicted})"
+            f"(full {c.full_tokens}, quant {c.quant_tokens}, evicted {c.evicted}) | "
+            f"MLX {fmt_bytes(self.memory.active)} active, {fmt_bytes(self.memory.cache)} cache, "
+            f"{fmt_bytes(self.memory.peak)} peak"
         )
 
 

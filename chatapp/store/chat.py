@@ -31,7 +31,7 @@ from chatapp.engine.generate import TokenEvent, TurnDone
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy
-from .paths import prune_snapshots, snapshot_path
+from .paths import prefix_dir, prune_snapshots, snapshot_path
 from .textio import clean_text, is_blank
 
 PARTIAL_SECONDS = 0.5
@@ -131,7 +131,7 @@ class PersistentChat:
     """
 
     def __init__(self, session, identity: ModelIdentity, store: ChatStore | None = None, *,
-                 snapshot_cap_mb: int = 2048):
+                 snapshot_cap_mb: int = 2048, prefixes=None):
         self.session = session
         self.identity = identity
         self.store = store
@@ -145,6 +145,15 @@ class PersistentChat:
         self._cap_noted = False
         self._snapshot_key: tuple | None = None  # what the last snapshot written (or restored) holds
         self._turn: _Turn | None = None
+        self.prefixes = prefixes  # the shared-prefix KV store (chatapp.store.prefixes.PrefixStore), or None
+        self._prefix_failed = False
+        self._prefixes_seen: set[str] = set()  # token hashes already stored or found stored in this run
+        if prefixes is not None:
+            from .prefixes import StoreSource, namespace_for
+
+            self.namespace = namespace_for(session, identity.weights_fingerprint, identity.model_id)
+            prefixes.writable = self.saving  # only the lock holder writes, touches and removes blocks
+            session.prefix_source = StoreSource(prefixes, self.namespace, lambda text: self._note("note", text))
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -386,6 +395,68 @@ class PersistentChat:
         prune_snapshots(self.store.data_dir, self.cap_bytes, keep=path)
         return True
 
+    def after_turn(self) -> None:
+        """Idle work once a turn is over: the KV snapshot, then the prefix store."""
+        self.save_snapshot()
+        self.store_prefix()
+
+    # ---- the prefix store -------------------------------------------------------------------------
+    def store_prefix(self) -> int:
+        """After a conversation's first turn, keep the K/V of its prompt (system prompt plus first
+        message) and of the system prompt alone in the prefix store, for later conversations.
+
+        Prefixes already stored are only marked used. The K/V come from the live caches when they
+        hold the prompt at full precision (prealloc, concat, or any mode before it quantised or
+        evicted anything); otherwise the prompt is run again into a full-precision cache, and a
+        note says what that cost. Returns the tokens newly stored."""
+        from chatapp.engine.prefix import full_precision_kv
+
+        from .prefixes import MIN_REUSE, PrefixWriteError
+        from .snapshot import token_hash
+
+        store, s = self.prefixes, self.session
+        if store is None or not self.saving or self._prefix_failed or self._turn is not None:
+            return 0
+        stored = 0
+        for tokens in self._first_turn_prefixes():
+            key = token_hash(tokens)
+            if len(tokens) < MIN_REUSE or key in self._prefixes_seen:
+                continue
+            self._prefixes_seen.add(key)
+            if store.covered(self.namespace, tokens) >= len(tokens):
+                continue
+            t0 = time.perf_counter()
+            kv, ran = full_precision_kv(s, tokens)
+            try:
+                store.put(self.namespace, tokens, kv)
+            except PrefixWriteError as e:
+                self._prefix_failed = True
+                self._note("error", f"could not write to the prefix store in {store.dir} ({e}): new conversations "
+                                    "will prefill their prompts; what was stored before is intact")
+                return stored
+            stored += len(tokens)
+            if ran:
+                self._note("note", f"prefix store: stored {len(tokens)} prompt tokens; the {s.mode} cache had "
+                                   f"quantised or evicted them, so {ran} were run again at full precision "
+                                   f"({(time.perf_counter() - t0) * 1000:.0f} ms)")
+        return stored
+
+    def _first_turn_prefixes(self) -> list[list[int]]:
+        """The prompt of the conversation's first turn, and its system prompt alone; [] unless
+        the conversation is exactly one finished turn."""
+        s = self.session
+        msgs = s.conversation.messages
+        users = [i for i, m in enumerate(msgs) if m.role == "user"]
+        if len(users) != 1 or not msgs or msgs[-1].role != "assistant":
+            return []
+        out = [s.format.tokens(Conversation(msgs[: users[0] + 1]))]
+        if msgs[0].role == "system":
+            try:
+                out.append(s.format.tokens(Conversation(msgs[:1]), generation_prompt=False))
+            except Exception:  # noqa: BLE001 - a chat template may refuse a system message alone
+                pass
+        return out
+
     # ---- resuming ---------------------------------------------------------------------------------
     def resume(self, ref: int | str | None = None) -> ResumeInfo:
         """Continue a saved conversation (``ref``: its id, or None / "latest").
@@ -485,7 +556,8 @@ class PersistentChat:
 
 
 def open_chat(session, identity: ModelIdentity, data_dir: str | Path, *, save: bool = True,
-              resume: int | str | None = None, snapshot_cap_mb: int = 2048) -> PersistentChat:
+              resume: int | str | None = None, snapshot_cap_mb: int = 2048,
+              prefix_cap_mb: int = 0) -> PersistentChat:
     """A :class:`PersistentChat` on the store in ``data_dir``.
 
     ``save=True`` opens the store for writing. When another process holds the data directory,
@@ -493,7 +565,9 @@ def open_chat(session, identity: ModelIdentity, data_dir: str | Path, *, save: b
     a note says so (:meth:`PersistentChat.take_notes`); a busy store is still read for ``resume``.
     ``resume`` (an id, or "latest") continues a saved conversation (see
     :meth:`PersistentChat.resume`); it raises :class:`~chatapp.store.db.NotFound` /
-    :class:`StoreError` when there is nothing to resume.
+    :class:`StoreError` when there is nothing to resume. ``prefix_cap_mb`` > 0 attaches the
+    shared-prefix KV store (``<data dir>/prefixes``, see prefixes.py), bounded to that size:
+    written only by a chat that saves, read by any.
     """
     data_dir = Path(data_dir).expanduser()
     notes: list[Note] = []
@@ -514,7 +588,12 @@ def open_chat(session, identity: ModelIdentity, data_dir: str | Path, *, save: b
                                        "in memory only"))
     if store is None and resume is not None:
         store = ChatStore.open(data_dir, write=False)
-    chat = PersistentChat(session, identity, store, snapshot_cap_mb=snapshot_cap_mb)
+    prefixes = None
+    if prefix_cap_mb > 0:
+        from .prefixes import PrefixStore
+
+        prefixes = PrefixStore(prefix_dir(data_dir), prefix_cap_mb * MiB, writable=False)
+    chat = PersistentChat(session, identity, store, snapshot_cap_mb=snapshot_cap_mb, prefixes=prefixes)
     chat._notes.extend(notes)
     if resume is not None:
         try:

@@ -13,6 +13,8 @@ Inside it::
     chatapp.sqlite3        the transcripts (SQLite, WAL mode; -wal and -shm files next to it)
     chatapp.lock           held (fcntl.flock) by the one process that writes; holds its pid
     snapshots/<id>.safetensors   the KV snapshot of conversation <id>
+    prefixes/<start>-<parent>-<hash>.safetensors   one block of the shared-prefix KV store
+                                                   (see prefixes.py)
 
 Nothing here creates anything: paths are only computed.
 """
@@ -29,6 +31,7 @@ DATA_DIR_ENV = "CHATAPP_DATA_DIR"
 DB_NAME = "chatapp.sqlite3"
 LOCK_NAME = "chatapp.lock"
 SNAPSHOT_DIR = "snapshots"
+PREFIX_DIR = "prefixes"
 SNAPSHOT_SUFFIX = ".safetensors"
 TMP_MARK = ".tmp"
 
@@ -60,6 +63,10 @@ def lock_path(data_dir: Path) -> Path:
 
 def snapshot_dir(data_dir: Path) -> Path:
     return Path(data_dir) / SNAPSHOT_DIR
+
+
+def prefix_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / PREFIX_DIR
 
 
 def snapshot_path(data_dir: Path, conversation_id: int) -> Path:

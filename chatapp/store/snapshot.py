@@ -70,6 +70,17 @@ def data_hash(arrays: dict[str, mx.array]) -> str:
     return h.hexdigest()
 
 
+def data_damage(arrays: dict[str, mx.array], expected: str | None) -> str:
+    """"" when the arrays read from a file hash to ``expected`` (their :func:`data_hash`), else
+    the one-line reason they cannot be used."""
+    try:
+        mx.eval(list(arrays.values()))
+        digest = data_hash(arrays)
+    except (RuntimeError, ValueError) as e:
+        return f"the file is damaged ({error_reason(e)})"
+    return "" if digest == expected else "the file is damaged (its checksum does not match)"
+
+
 def state_nbytes(caches) -> int:
     """Bytes the caches' states would take in a snapshot (the tensors, without the header)."""
     return sum(a.nbytes for c in caches for a in c.state)
@@ -150,11 +161,12 @@ def save_snapshot(path: str | Path, *, caches: list, tokens: list[int], settings
             tmp.unlink()
         except OSError:
             pass
-        raise SnapshotWriteError(_reason(e)) from None
+        raise SnapshotWriteError(error_reason(e)) from None
     return size
 
 
-def _reason(e: BaseException) -> str:
+def error_reason(e: BaseException) -> str:
+    """One line saying why an OS or MLX call failed."""
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     text = str(e).strip() or type(e).__name__
@@ -189,7 +201,7 @@ def read_snapshot(path: str | Path) -> Snapshot:
     try:
         arrays, md = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError, OSError) as e:
-        raise SnapshotError(f"the file is damaged ({_reason(e)})") from None
+        raise SnapshotError(f"the file is damaged ({error_reason(e)})") from None
     if md.get("format") != FORMAT:
         raise SnapshotError("the file is not a chatapp KV snapshot")
     if md.get("version") != VERSION:
@@ -207,19 +219,15 @@ def read_snapshot(path: str | Path) -> Snapshot:
             raise ValueError("renderings is not a list of strings")
         created = float(md.get("created", "0"))
     except (ValueError, TypeError) as e:  # CacheConfigError is a ValueError
-        raise SnapshotError(f"its metadata is damaged ({_reason(e)})") from None
+        raise SnapshotError(f"its metadata is damaged ({error_reason(e)})") from None
     if len(counts) != n_layers or len(metas) != n_layers:
         raise SnapshotError("its metadata is damaged (layer counts disagree)")
     expected = {"tokens"} | {f"layer.{i}.{j}" for i in range(n_layers) for j in range(counts[i])}
     if set(arrays) != expected:
         raise SnapshotError("the file is damaged (tensors are missing or unexpected)")
-    try:
-        mx.eval(list(arrays.values()))
-        digest = data_hash(arrays)
-    except (RuntimeError, ValueError) as e:
-        raise SnapshotError(f"the file is damaged ({_reason(e)})") from None
-    if digest != md.get("data_sha256"):
-        raise SnapshotError("the file is damaged (its checksum does not match)")
+    damage = data_damage(arrays, md.get("data_sha256"))
+    if damage:
+        raise SnapshotError(damage)
     tokens = arrays["tokens"].tolist()
     if len(tokens) != n_tokens or token_hash(tokens) != md.get("tokens_sha256"):
         raise SnapshotError("the file is damaged (its token ids do not match their hash)")
@@ -235,6 +243,6 @@ def read_snapshot(path: str | Path) -> Snapshot:
 
 
 __all__ = [
-    "FORMAT", "VERSION", "Snapshot", "SnapshotError", "SnapshotWriteError", "data_hash", "read_snapshot",
+    "FORMAT", "VERSION", "Snapshot", "SnapshotError", "SnapshotWriteError", "data_damage", "data_hash", "read_snapshot",
     "save_snapshot", "state_nbytes", "token_hash",
 ]

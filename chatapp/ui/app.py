@@ -30,13 +30,13 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from chatapp.engine.stats import CacheView, StepStat, TurnStats
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import (
     ChatNotes, ConversationChanged, EngineBridge, EngineEvent, LoadProgress, SessionInfo, StartupFailed,
     TranscriptLoaded,
 )
-from .format import MODES, freeze, freeze_cache, live_cache, next_mode, status_items
+from .format import MODES, freeze, freeze_cache, freeze_memory, live_cache, next_mode, status_items
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import (
     AssistantMessage, ChatInput, ChatMessage, ChatView, SidePanel, StatusBar, SystemMessage, UserMessage,
@@ -108,6 +108,8 @@ class ChatApp(App[int]):
         self.cache_view: CacheView | None = None
         self.history: list[TurnStats] = []  # every finished turn of this app session, all modes
         self.conv_steps: list[StepStat] = []  # decode steps of this conversation
+        self.memory: MemoryGauges | None = None  # MLX's allocator gauges, latest reading
+        self.conv_memory: list[MemoryGauges] = []  # every reading of this conversation's turns
         self.compare_rows: list[Any] = []
         self.compare_screen: CompareScreen | None = None
         self.loading_screen: LoadingScreen | None = None
@@ -235,7 +237,9 @@ class ChatApp(App[int]):
     def _session_info(self, info: SessionInfo) -> None:
         if self.freeze_stats:
             info.cache = freeze_cache(info.cache)
+            info.memory = freeze_memory(info.memory)
         self.info = info
+        self.memory = info.memory
         self.mode = info.mode
         self.requested_mode = info.requested_mode
         self.cache_view = info.cache
@@ -263,6 +267,11 @@ class ChatApp(App[int]):
         self.mode = stats.mode or self.mode
         self.history.append(stats)
         self.conv_steps.extend(stats.steps)
+        self.conv_memory.extend(stats.memory_trace)
+        self.memory = stats.memory if stats.memory_trace else self.memory
+        if stats.prefix_tokens:  # every time, not once per kind like the notices below
+            self.store_notes.append(("note", stats.prefix_line()))
+            self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
             self._notice(note)
         self._mark_evicted(stats.cache.first_visible_message)
@@ -322,6 +331,7 @@ class ChatApp(App[int]):
         await self.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
+        self.conv_memory = []
         self.last_stats = None
         for i, (role, content, interrupted) in enumerate(ev.messages):
             cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
@@ -412,6 +422,7 @@ class ChatApp(App[int]):
         await self.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
+        self.conv_memory = []
         self.last_stats = None
         self.conversation_id = None
         self.conversation_title = ""
@@ -505,7 +516,8 @@ class ChatApp(App[int]):
             bar = self.query_one(StatusBar)
         except Exception:  # noqa: BLE001 - not composed yet
             return
-        bar.set_items(status_items(self.model_id, self._mode_label(), stats, cache, live=live, phase=phase))
+        bar.set_items(status_items(self.model_id, self._mode_label(), stats, cache, live=live, phase=phase,
+                                   memory=self.memory))
 
     def _update_panel(self) -> None:
         try:
@@ -513,7 +525,7 @@ class ChatApp(App[int]):
         except Exception:  # noqa: BLE001
             return
         if panel.display:
-            panel.update_panel(self.conv_steps, self.cache_view, self.history)
+            panel.update_panel(self.conv_steps, self.cache_view, self.history, self.conv_memory, self.memory)
 
     def _update_input_state(self) -> None:
         try:

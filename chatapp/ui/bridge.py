@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from textual.message import Message
 
-from chatapp.engine.stats import CacheView
+from chatapp.engine.stats import CacheView, MemoryGauges
 
 
 # ---- events of our own (emitted on the engine thread) ---------------------------------------------
@@ -44,6 +44,7 @@ class SessionInfo:
     has_system: bool = False
     messages: int = 0
     fmt: str = ""  # the prompt format, and why it was chosen
+    memory: MemoryGauges = field(default_factory=MemoryGauges)  # MLX's allocator when this was read
 
 
 @dataclass
@@ -92,20 +93,24 @@ class EngineEvent(Message):
 
 def describe_session(session) -> SessionInfo:
     """Runs on the engine thread (through the worker's ``call`` command)."""
+    from chatapp.engine.memory import read_gauges
+
     def fields(s) -> dict[str, int]:
         return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
                 "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens}
 
+    cache = session.cache_view()
     return SessionInfo(
         model_id=getattr(session, "model_id", ""),
         mode=session.mode,
         requested_mode=session.requested_mode,
-        cache=session.cache_view(),
+        cache=cache,
         settings=fields(session.base_settings),
         effective=fields(session.settings),
         has_system=bool(session.conversation.messages and session.conversation.messages[0].role == "system"),
         messages=len(session.conversation.messages),
         fmt=session.format_choice.describe() if getattr(session, "format_choice", None) else session.format.name,
+        memory=read_gauges(kv_held=cache.bytes_held, tokens=len(session.cached)),
     )
 
 
@@ -158,7 +163,8 @@ class EngineBridge:
 
         chat = open_chat(session, ModelIdentity.from_loaded(loaded, self.config.model.id),
                          resolve_data_dir(self.config), save=self.save, resume=self.resume,
-                         snapshot_cap_mb=self.config.data.snapshot_cap_mb)
+                         snapshot_cap_mb=self.config.data.snapshot_cap_mb,
+                         prefix_cap_mb=self.config.data.prefix_cap_mb)
         self.chat = chat
         if chat.resume_info is not None:
             self._emit_transcript(chat)

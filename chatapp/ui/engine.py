@@ -3,7 +3,8 @@
 Imported lazily by :class:`chatapp.ui.bridge.EngineBridge` (it imports MLX). Runs on the engine
 thread: ``send`` / ``regenerate`` / ``edit_last`` / ``new_chat`` go through the bridge's
 :class:`~chatapp.store.chat.PersistentChat` (each complete message committed, a cancelled reply
-saved marked interrupted), the KV snapshot is saved after each turn once the engine is idle,
+saved marked interrupted), the KV snapshot is saved (and a first turn's prompt kept in the
+prefix store) after each turn once the engine is idle,
 and the chat is closed (snapshot saved, store unlocked) when the worker stops.
 """
 
@@ -49,7 +50,7 @@ class ChatWorker(EngineWorker):
                     self._emit(ev)
             finally:
                 self.bridge.emit_notes()
-            chat.save_snapshot()  # the turn is over: the caches are idle
+            chat.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
             self.bridge.emit_notes()
         elif command == "new_chat":
             chat.new_chat()

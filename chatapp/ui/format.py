@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from chatapp.engine.stats import CacheView, StepStat, TurnStats, fmt_bytes
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.config import CACHE_MODES
 from chatapp.textsafe import printable
 
@@ -87,10 +87,18 @@ def model_label(model_id: str) -> str:
 
 # ---- deterministic statistics for tests and snapshots ----------------------------------------------
 FROZEN_MEMORY_TOTAL = 16 * 1024**3
+FROZEN_MODEL_BYTES = 1 << 20  # stands for the weights and buffers MLX holds besides the KV cache
 
 
 def freeze_cache(view: CacheView) -> CacheView:
     return replace(view, memory_total=FROZEN_MEMORY_TOTAL, per_layer_bytes=list(view.per_layer_bytes))
+
+
+def freeze_memory(g: MemoryGauges) -> MemoryGauges:
+    """Allocator gauges as fixed functions of the KV bytes and token counts (they depend on the
+    allocator's history, which differs from run to run)."""
+    active = FROZEN_MODEL_BYTES + g.kv_held
+    return replace(g, active=active, cache=256 * g.tokens, peak=active + 512 * g.tokens, total=FROZEN_MEMORY_TOTAL)
 
 
 def freeze(stats: TurnStats) -> TurnStats:
@@ -107,6 +115,8 @@ def freeze(stats: TurnStats) -> TurnStats:
     s.steps = [StepStat(st.context, 2.0 + st.context / 1000) for st in stats.steps]
     s.notices = list(stats.notices)
     s.cache = freeze_cache(stats.cache)
+    s.memory = freeze_memory(stats.memory)
+    s.memory_trace = [freeze_memory(g) for g in stats.memory_trace]
     return s
 
 
@@ -160,14 +170,29 @@ class StatusItem:
         return Text.assemble((self.label + " ", "dim"), (self.value, self.style))
 
 
+def memory_items(g: MemoryGauges | None, kv_held: int) -> list[StatusItem]:
+    """MLX's allocator gauges and their shares of the device's memory, next to the KV bytes held."""
+    if g is None or not (g.active or g.peak):
+        return [StatusItem("MLX", "—"), StatusItem("mem", "—")]
+    shares = f"KV {fmt_share(g.share(kv_held))} · act {fmt_share(g.share(g.active))} · " \
+             f"peak {fmt_share(g.share(g.peak))}" if g.total else "—"
+    return [
+        StatusItem("MLX", f"{fmt_bytes(g.active)} act · {fmt_bytes(g.cache)} cache · {fmt_bytes(g.peak)} peak"),
+        StatusItem("mem", shares),
+    ]
+
+
 def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheView | None,
-                 live: bool = False, phase: str = "") -> list[StatusItem]:
+                 live: bool = False, phase: str = "", memory: MemoryGauges | None = None) -> list[StatusItem]:
     """Everything the status bar shows, most important first.
 
-    ``live`` marks cache figures estimated while a reply streams (shown with a ``~``).
+    ``live`` marks cache figures estimated while a reply streams (shown with a ``~``); ``memory``
+    is the latest reading of MLX's gauges (the turn's own when ``stats`` has one).
     """
     s = stats or TurnStats()
     c = cache or CacheView()
+    if s.memory.active or s.memory.peak:
+        memory = s.memory
     est = "~" if live else ""
     items = [
         StatusItem("", model_label(model), "bold"),
@@ -179,7 +204,7 @@ def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheVie
                    else f"~{c.tokens:,}/? tok"),
         StatusItem("KV", f"{est}{fmt_bytes(c.bytes_held)}/{fmt_bytes(c.bytes_allocated)}"
                    if c.bytes_held or not live or not c.tokens else "~?"),
-        StatusItem("mem", fmt_share(c.memory_share) if c.memory_total else "—"),
+        *memory_items(memory, c.bytes_held),
         StatusItem("full/quant/evicted", f"{c.full_tokens:,}/{c.quant_tokens:,}/{c.evicted:,}"),
     ]
     if phase:
@@ -188,14 +213,17 @@ def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheVie
 
 
 def pack(items: Sequence[StatusItem], width: int, max_lines: int = 3) -> list[list[StatusItem]]:
-    """Greedily put items on lines of ``width`` cells, separated by ``SEP``; never splits one."""
+    """Greedily put items on lines of ``width`` cells, separated by ``SEP``; never splits one.
+
+    Once ``max_lines`` are full, an item that does not fit is left out and later, shorter ones
+    may still take the room left."""
     lines: list[list[StatusItem]] = [[]]
     used = 0
     for item in items:
         need = item.width + (len(SEP) if lines[-1] else 0)
         if lines[-1] and used + need > width:
             if len(lines) == max_lines:
-                break
+                continue
             lines.append([])
             used = 0
             need = item.width
@@ -231,6 +259,27 @@ def hbar(value: float, maximum: float, width: int) -> str:
     full, part = divmod(eighths, 8)
     bar = "█" * full + (BLOCKS[part] if part else "")
     return bar.ljust(width)
+
+
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def spark(values: Sequence[float], width: int) -> str:
+    """``values`` as a one-line sparkline of at most ``width`` cells, scaled to their largest value;
+    when there are more values than cells, each cell shows the largest value of its share."""
+    if width <= 0 or not values:
+        return ""
+    n = min(width, len(values))
+    cells = [max(values[i * len(values) // n : max((i + 1) * len(values) // n, i * len(values) // n + 1)])
+             for i in range(n)]
+    top = max(cells)
+    if top <= 0:
+        return SPARKS[0] * n
+    return "".join(SPARKS[min(len(SPARKS) - 1, int(v / top * (len(SPARKS) - 1) + 0.5))] for v in cells)
+
+
+#: The gauges the side panel plots over the conversation: (label, MemoryGauges attribute).
+MEMORY_SERIES = (("KV held", "kv_held"), ("MLX active", "active"), ("buffer cache", "cache"), ("peak", "peak"))
 
 
 def steps_by_context(steps: Iterable[StepStat], bins: int = 64) -> tuple[list[float], int, int]:

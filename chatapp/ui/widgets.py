@@ -18,11 +18,12 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Markdown, Sparkline, Static, TextArea
 
-from chatapp.engine.stats import CacheView, StepStat, TurnStats, fmt_bytes
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
 from .format import (
-    ModeRow, StatusItem, fmt_rate, fmt_seconds_ms, hbar, mode_table, pack, render_lines, steps_by_context,
+    MEMORY_SERIES, ModeRow, StatusItem, fmt_rate, fmt_seconds_ms, fmt_share, hbar, mode_table, pack, render_lines,
+    spark, steps_by_context,
 )
 
 EVICTED_TAG = "outside the model's window"
@@ -292,6 +293,54 @@ class LayerGauge(Widget):
         return out
 
 
+class MemoryChart(Widget):
+    """MLX's allocator gauges and the KV bytes held: now, as a share of the device's memory, and
+    a sparkline of each over the conversation (every reading the engine took: each prefill chunk,
+    every few decoded tokens, each turn's end; each line scaled to its own largest value)."""
+
+    DEFAULT_CSS = """
+    MemoryChart { height: auto; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.trace: list[MemoryGauges] = []
+        self.now: MemoryGauges | None = None
+
+    def set_trace(self, trace: Sequence[MemoryGauges], now: MemoryGauges | None) -> None:
+        self.trace = list(trace)
+        self.now = now
+        self.refresh(layout=True)
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return len(MEMORY_SERIES) + 1 if self.now is not None else 1
+
+    def render(self) -> Text:
+        now = self.now
+        if now is None:
+            return Text("no memory readings yet", style="dim")
+        width = self.content_size.width or 40
+        labels = [label for label, _ in MEMORY_SERIES]
+        values = [fmt_bytes(getattr(now, attr)) for _, attr in MEMORY_SERIES]
+        shares = [fmt_share(now.share(getattr(now, attr))) if now.total else "—" for _, attr in MEMORY_SERIES]
+        lw, vw, sw = (max(len(x) for x in col) for col in (labels, values, shares))
+        spark_w = max(4, width - lw - vw - sw - 3)
+        out = Text(no_wrap=True, overflow="ellipsis")
+        for n, (label, attr) in enumerate(MEMORY_SERIES):
+            if n:
+                out.append("\n")
+            out.append(label.ljust(lw) + " ", style="dim")
+            out.append(values[n].rjust(vw) + " ", style="bold")
+            out.append(shares[n].rjust(sw) + " ", style="dim")
+            out.append(spark([getattr(g, attr) for g in self.trace], spark_w))
+        tokens = [g.tokens for g in self.trace]
+        out.append("\n")
+        out.append((f"of {fmt_bytes(now.total)} · " if now.total else "")
+                   + f"{len(self.trace)} readings, context {min(tokens, default=0):,}→{max(tokens, default=0):,} tok",
+                   style="dim")
+        return out
+
+
 class ModeTable(Widget):
     """Modes grouped by context range (prompt tokens), so each group compares like with like:
     turns, median decode tok/s and median TTFT. Columns fit the panel's width."""
@@ -340,7 +389,7 @@ class ModeTable(Widget):
 
 
 class SidePanel(VerticalScroll):
-    """Decode step time against context, per-layer cache bytes, and the modes used so far."""
+    """Decode step time against context, per-layer cache bytes, MLX memory, and the modes used so far."""
 
     DEFAULT_CSS = """
     SidePanel { height: 1fr; }
@@ -356,11 +405,14 @@ class SidePanel(VerticalScroll):
         yield StepChartAxis(Text("no decode steps yet", style="dim"), id="steps-axis", markup=False)
         yield Static("KV cache per layer", classes="panel-title")
         yield LayerGauge(id="layers")
+        yield Static("MLX memory over the conversation", classes="panel-title")
+        yield MemoryChart(id="memory-chart")
         yield Static("Cache modes in this session", classes="panel-title")
         yield ModeTable(id="modes-table")
 
     def update_panel(self, steps: Iterable[StepStat], cache: CacheView | None,
-                     history: Iterable[TurnStats]) -> None:
+                     history: Iterable[TurnStats], memory: Sequence[MemoryGauges] = (),
+                     memory_now: MemoryGauges | None = None) -> None:
         values, lo, hi = steps_by_context(steps)
         self.query_one("#steps-chart", Sparkline).data = values
         axis = self.query_one("#steps-axis", StepChartAxis)
@@ -374,5 +426,6 @@ class SidePanel(VerticalScroll):
         else:
             axis.update(Text("no decode steps yet", style="dim"))
         self.query_one("#layers", LayerGauge).set_layers(cache.per_layer_bytes if cache else [])
+        self.query_one("#memory-chart", MemoryChart).set_trace(memory, memory_now)
         self.mode_rows = mode_table(history)
         self.query_one("#modes-table", ModeTable).set_rows(self.mode_rows)
