@@ -240,3 +240,24 @@ def test_float16_scales_stay_for_kernels_and_are_cast_for_mlx():
     assert not plan.warnings  # float16 scales read by a kernel are not "half-precision activations"
     x = mx.random.randint(0, odd.vocab_size, (1, 12), key=mx.random.key(2))
     assert close(fast(x), ref(x)) and close(fast(x[:, :1]), ref(x[:, :1]))
+
+
+def test_lookup_only_embedding_stays_float16_and_rows_are_cast(tmp_path):
+    """load_model(cast_scales=False) + accelerate: an untied model's float16 embedding table
+    stays float16 (half the memory), its rows come out float32, logits equal the all-float32
+    load's."""
+    from chatapp.engine.loader import load_model, save_model_dir
+    from tests.conftest import shared_model
+
+    tokenizer_dir = shared_model("stories260K")
+    m, config = build_random_llama(SHAPE, seed=3, dtype=mx.float16, quantize_bits=4)
+    save_model_dir(tmp_path / "m", m, config, tokenizer_dir)
+    ref = load_model(str(tmp_path / "m"))  # everything float32
+    kept = load_model(str(tmp_path / "m"), cast_scales=False)
+    emb = kept.model.model.embed_tokens
+    assert emb["weight"].dtype == mx.float16 and kept.model.model.norm["weight"].dtype == mx.float32
+    plan = accelerate_model(kept.model, backend="cpu", kernel_min_elements=0)
+    assert plan.cast_lookups == ["model.embed_tokens"] and not plan.warnings
+    assert kept.model.model.embed_tokens(mx.array([1, 2])).dtype == mx.float32
+    x = mx.random.randint(0, SHAPE.vocab_size, (1, 9), key=mx.random.key(1))
+    assert close(kept.model(x), ref.model(x))

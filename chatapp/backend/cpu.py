@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .qlinear import NUMPY_MIN_ELEMENTS, ROUTES, CpuQuantizedEmbedding, CpuQuantizedLinear, _numpy_matvec  # noqa: F401
+from .qlinear import (  # noqa: F401 (CpuQuantized*, _numpy_matvec: re-exported)
+    NUMPY_MIN_ELEMENTS,
+    ROUTES,
+    CastingEmbedding,
+    CpuQuantizedEmbedding,
+    CpuQuantizedLinear,
+    _numpy_matvec,
+)
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("auto", "off")
@@ -77,6 +84,7 @@ class CpuPlan:
     warnings: list[str] = field(default_factory=list)
     attention: str = ""  # set by apply_fast_path: the prefill and decode attention routes
     warm_up_seconds: float = 0.0  # compiling / loading the kernels the plan uses
+    cast_lookups: list[str] = field(default_factory=list)  # embedding tables kept as stored, rows cast
 
     def route_lines(self) -> list[str]:
         """One line per route and reason, naming the kinds of layer that take it:
@@ -181,6 +189,9 @@ def accelerate_model(
     plan.blas_loaded, plan.blas = blas.loaded, blas.path
     plan.budget_bytes = dense_budget_bytes if dense_budget_bytes is not None else physical_memory_bytes() // 4
 
+    act = _activation_dtype(model)
+    if act is not None:
+        plan.cast_lookups = _cast_lookups(model, act)
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if not targets:
@@ -225,7 +236,8 @@ def accelerate_model(
                 why = f"{why_not}; float32 copy over budget"
         plan.routes.append(LayerRoute(name, new.route, why, new.bits, new.group_size, new.shape))
 
-    _match_scales_to_activations(model, replaced, plan.kernel_layers)
+    if act is not None:
+        _match_scales_to_activations(replaced, plan.kernel_layers, act)
     plan.applied = True
     if warm_up and plan.kernel_layers:
         from .warmup import warm_up_kernels
@@ -243,6 +255,7 @@ def accelerate_model(
             f"{len(big_mlx)} large layers run on MLX (see the routes) and no optimised BLAS is loaded: their "
             f"prefill products use MLX's reference BLAS ({blas.reason})")
     kernel_params = {f"{n}.{leaf}" for n in plan.kernel_layers for leaf in ("scales", "biases")}
+    kernel_params |= {f"{n}.weight" for n in plan.cast_lookups}
     low = sorted({str(p.dtype) for path, p in _flat_params(model) if mx.issubdtype(p.dtype, mx.floating)
                   and p.dtype != mx.float32 and path not in kernel_params})
     if low:
@@ -273,22 +286,25 @@ def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool,
     return True, None
 
 
-def _match_scales_to_activations(model: nn.Module, layers: dict[str, nn.Module], kernel_layers: list[str]) -> None:
+def _activation_dtype(model: nn.Module):
+    """The dtype most float parameters are in, leaving out those a CPU load keeps as stored."""
+    from chatapp.engine.device import kept_for_cpu_kernels
+
+    kept = kept_for_cpu_kernels(model)
+    totals: dict = {}
+    for path, p in _flat_params(model):
+        if mx.issubdtype(p.dtype, mx.floating) and not kept(path):
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
+    return max(totals.items(), key=lambda kv: kv[1])[0] if totals else None
+
+
+def _match_scales_to_activations(layers: dict[str, nn.Module], kernel_layers: list[str], act) -> None:
     """Layers MLX runs get scales/biases in the activations' dtype.
 
     The loader may leave quantised layers' scales in the checkpoint's float16
     (``load_model(cast_scales=False)``): the kernels read them as they are (half the bytes of
     float32), but MLX's CPU ``quantized_matmul`` is 2x slower with float16 scales next to
     float32 activations (measured: 29 against 15 ms for a 4096x4096 4-bit product)."""
-    from chatapp.engine.device import is_quant_param
-
-    totals: dict = {}
-    for path, p in _flat_params(model):
-        if mx.issubdtype(p.dtype, mx.floating) and not is_quant_param(path):
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
-    if not totals:
-        return
-    act = max(totals.items(), key=lambda kv: kv[1])[0]
     keep = set(kernel_layers)
     for name, layer in layers.items():
         if name in keep:
@@ -298,6 +314,18 @@ def _match_scales_to_activations(model: nn.Module, layers: dict[str, nn.Module],
             if p is not None and p.dtype != act:
                 setattr(layer, leaf, p.astype(act))
                 mx.eval(layer[leaf])
+
+
+def _cast_lookups(model: nn.Module, act) -> list[str]:
+    """Lookup-only embedding tables left in another dtype by the loader cast the rows they
+    return (CastingEmbedding) instead of being copied whole; returns their names."""
+    from chatapp.engine.device import lookup_only_embeddings
+
+    tables = {path.removesuffix(".weight") for path in lookup_only_embeddings(model)}
+    swap = {name: CastingEmbedding(m, act) for name, m in model.named_modules()
+            if name in tables and type(m) is nn.Embedding and m["weight"].dtype != act}
+    _set_modules(model, swap)
+    return sorted(swap)
 
 
 def _natural(path: str) -> tuple:

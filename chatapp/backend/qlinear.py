@@ -295,3 +295,22 @@ class CpuQuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
 
     def _mlx_product(self, x: mx.array) -> mx.array:
         return nn.QuantizedEmbedding.as_linear(self, x)
+
+
+class CastingEmbedding(nn.Embedding):
+    """A float embedding table kept in the checkpoint's dtype whose looked-up rows are cast to
+    the activations' dtype: the same values as casting the whole table first (float16 and
+    bfloat16 convert exactly to float32), at half the memory (Llama-2-7B: 0.26 instead of
+    0.52 GB). Only for tables that serve lookups alone (the model has its own output head)."""
+
+    def __init__(self, src: nn.Embedding, dtype: mx.Dtype):
+        nn.Module.__init__(self)
+        self.weight = src["weight"]
+        self.freeze()
+        self._dtype = dtype
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self["weight"][x].astype(self._dtype)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return x @ self["weight"].astype(self._dtype).T

@@ -5,7 +5,8 @@ own. It prints one JSON object on its last line of stdout. The orchestrator is c
 
     python -m chatapp.bench.cpu_peer {chatapp,mlx-lm,llama.cpp} SPEC.json
 
-SPEC holds: model (folder, or the GGUF file for llama.cpp), prompt (token ids, BOS first),
+SPEC holds: model (folder; gguf: the GGUF file for llama.cpp), load_only (return after loading),
+prompt (token ids, BOS first),
 short (prefix of the prompt for the greedy check), greedy (tokens decoded from it), decode
 (tokens decoded after the full prompt), contexts and modes (synthetic long-context decode),
 long_tokens (tokens decoded per long-context point), seed, threads.
@@ -101,6 +102,8 @@ def run_chatapp(spec: dict) -> dict:
     model = lm.model
     res: dict = {"peer": "chatapp", "load_s": load_s, "rss_after_load": _peak_rss(), "plan": plan.details(),
                  "warm_up_s": plan.warm_up_seconds}
+    if spec.get("load_only"):
+        return res
 
     # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
     from chatapp.backend.qlinear import _Routed
@@ -167,6 +170,8 @@ def run_mlx_lm(spec: dict) -> dict:
     lm = load_model(spec["model"])
     load_s = time.perf_counter() - t0
     res: dict = {"peer": "mlx-lm", "load_s": load_s, "rss_after_load": _peak_rss()}
+    if spec.get("load_only"):
+        return res
     short = spec["prompt"][: spec["short"]]
     t = time.perf_counter()
     stamps, tokens = [], []

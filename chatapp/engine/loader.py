@@ -33,7 +33,7 @@ from chatapp.engine.device import (
     cast_floating,
     checkpoint_float_dtype,
     dtype_name,
-    is_quant_param,
+    kept_for_cpu_kernels,
     pick_backend,
 )
 from chatapp.engine.hub import ALLOW_PATTERNS, DownloadProgress, progress_tqdm_class, resolve_model_path
@@ -310,9 +310,10 @@ def load_model(
     ``dtype``: "auto" (the backend's activation dtype: float32 on CPU, the checkpoint's own on
     GPU), "native" (leave the checkpoint as stored), or "float32"/"float16"/"bfloat16".
     ``offline``: never use the network (None: follow HF_HUB_OFFLINE).
-    ``cast_scales``: False leaves the scales/biases of quantised layers in the checkpoint's
-    dtype (the CPU kernels read float16 ones directly: half the bytes per token and no float32
-    copies); `chatapp.backend.cpu.accelerate_model` casts those of the layers MLX still runs.
+    ``cast_scales``: False leaves the scales/biases of quantised layers and lookup-only embedding
+    tables in the checkpoint's dtype (the CPU kernels read float16 scales directly: half the bytes
+    per token, and no float32 copies; a 7B model's float32 embedding alone is 0.5 GB);
+    `chatapp.backend.cpu.accelerate_model` casts what MLX still runs and makes lookups cast rows.
     Raises ModelLoadError with a one-line reason.
     """
     target, do_cast = _target_dtype(dtype)
@@ -351,7 +352,7 @@ def load_model(
 
     if do_cast:
         final = target or checkpoint_float_dtype(model)
-        cast_floating(model, final, skip=None if cast_scales else is_quant_param)
+        cast_floating(model, final, skip=None if cast_scales else kept_for_cpu_kernels(model))
     else:
         mx.eval(model.parameters())
         final = checkpoint_float_dtype(model)
