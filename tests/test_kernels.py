@@ -211,3 +211,17 @@ def test_kernel_info_names_cpu_and_threads():
     info = kernel_info()
     assert info.ok and info.cpu and info.threads >= 1
     assert info.numba in info.summary() and "threads" in info.summary()
+
+
+def test_float16_scales_fall_back_to_float32_without_native_conversion(monkeypatch):
+    """Where the CPU cannot convert half floats in one instruction (x86-64 without F16C) the
+    kernels get float32 scales instead of float16 bits."""
+    import chatapp.kernels as K
+    from chatapp.backend.qlinear import packed_view
+
+    wq, s, b = mx.quantize(mx.random.normal((8, 64)), group_size=32, bits=4)
+    s16, b16 = s.astype(mx.float16), b.astype(mx.float16)
+    assert packed_view(wq, s16, b16, 4, 32).scales.dtype == (np.uint16 if K.half_scales_native() else np.float32)
+    monkeypatch.setattr(K, "half_scales_native", lambda: False)
+    pw = packed_view(wq, s16, b16, 4, 32)
+    assert pw.scales.dtype == np.float32 and pw.biases.dtype == np.float32

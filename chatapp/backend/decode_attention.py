@@ -34,7 +34,9 @@ def _heads(a: mx.array, as_bytes: bool = False) -> tuple[np.ndarray, int]:
 
 
 def _scale_view(a: mx.array) -> tuple[np.ndarray, int]:
-    if a.dtype == mx.float16:
+    from chatapp.kernels import half_scales_native
+
+    if a.dtype == mx.float16 and half_scales_native():
         a = a.view(mx.uint16)
     elif a.dtype != mx.float32:
         a = a.astype(mx.float32)

@@ -132,10 +132,13 @@ def _kernel_matmul(x: mx.array, route: Route, out_dtype: mx.Dtype) -> mx.array:
 def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
     """numpy views (no copies) of a quantised weight for the kernels; float16 scales are read
     as their uint16 bits, other non-float32 dtypes are converted once."""
+    from chatapp.kernels import half_scales_native
     from chatapp.kernels.qmatmul import PackedWeight
 
+    native = half_scales_native()
+
     def float_view(a: mx.array) -> np.ndarray:
-        if a.dtype == mx.float16:
+        if a.dtype == mx.float16 and native:
             a = a.view(mx.uint16)
         elif a.dtype != mx.float32:
             a = a.astype(mx.float32)

@@ -15,6 +15,7 @@ cached on disk (``cache=True``): the first start on a machine compiles (seconds)
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -56,3 +57,21 @@ def kernel_info() -> KernelInfo:
     except Exception as e:  # a broken numba/llvmlite install: say so, run without kernels
         return KernelInfo(False, f"numba could not start: {type(e).__name__}: {e}")
     return KernelInfo(True, "ok", numba.__version__, cpu, [f for f in _SIMD if f in enabled], pool().threads)
+
+
+@functools.lru_cache(maxsize=None)
+def half_scales_native() -> bool:
+    """Whether the kernels may read float16 scales as uint16 bits: LLVM converts them with one
+    instruction where the CPU has one (F16C on x86-64, always on aarch64); elsewhere the
+    conversion would need a runtime helper that numba's JIT does not provide, so callers convert
+    such scales to float32 once instead."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True
+    try:
+        from llvmlite import binding as llvm
+
+        return "+f16c" in llvm.get_host_cpu_features().flatten().split(",")
+    except Exception:  # no way to tell: take the safe route
+        return False
