@@ -202,9 +202,9 @@ def test_pool_run_with_one_thread_and_no_chunks():
     single = WorkPool(1)
     out = np.empty((1, 40), np.float32)
     xe, xo = Q.split_even_odd(x)
-    single.run(Q._q4_matmul, 3, 16, pw.packed, pw.scales, pw.biases, xe, xo, Q.group_sums(x, 32), out, 32)
+    single.run(Q._matmul, 3, 16, pw.packed, pw.scales, pw.biases, xe, xo, Q.group_sums(x, 32), out, 32, 4)
     assert rel_err(out, x @ w.T) < 2e-5
-    single.run(Q._q4_matmul, 0, 16)  # nothing to do: no call at all
+    single.run(Q._matmul, 0, 16)  # nothing to do: no call at all
 
 
 def test_kernel_info_names_cpu_and_threads():

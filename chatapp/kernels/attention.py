@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .llvm import as_f32, atomic_add, byte_to_f32, exp2_int, hi_nibble, lo_nibble
+from .llvm import as_f32, byte_to_f32, exp2_int, hi_nibble, lo_nibble
+from .pool import chunk_done, claim
 
 _LOG2E = np.float32(1.4426950408889634)
 _C1 = np.float32(0.693359375)
@@ -147,8 +148,8 @@ def attend_full(ctl, chunk, q, k, k_stride, v, v_stride, n, scale, out):  # prag
     s = np.empty(n, np.float32)
     o = np.empty(D, np.float32)
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         for h in range(c * chunk, min(H, (c + 1) * chunk)):
             kh = h // G
@@ -158,7 +159,7 @@ def attend_full(ctl, chunk, q, k, k_stride, v, v_stride, n, scale, out):  # prag
             _accumulate_full(s, _rows(v, kh, v_stride, n, D), o)
             for j in range(D):
                 out[h, j] = o[j] / tot
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
@@ -191,8 +192,8 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
     o = np.empty(D, np.float32)
     tmp = np.empty(D, np.float32)
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         for h in range(c * chunk, min(H, (c + 1) * chunk)):
             kh = h // G
@@ -222,7 +223,7 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
                 _accumulate_full(s[n_head + n_quant:], _rows(v_tail, kh, full_strides[3], n_tail, D), o)
             for j in range(D):
                 out[h, j] = o[j] / tot
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)
 
 
 def heads_view(a: np.ndarray) -> tuple[np.ndarray, int]:

@@ -12,8 +12,7 @@ import time
 import numpy as np
 from numba import njit
 
-from .llvm import atomic_add
-from .pool import chunks, pool
+from .pool import chunk_done, chunks, claim, pool
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -29,11 +28,11 @@ def _sum_chunks(ctl, chunk, data, partial):  # pragma: no cover - jitted
     n = data.shape[0]
     n_chunks = (n + chunk - 1) // chunk
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         partial[c] = _sum(data[c * chunk : min(n, (c + 1) * chunk)])
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)
 
 
 def read_bandwidth(gib: float = 1.0, passes: int = 5) -> float:

@@ -19,10 +19,10 @@ A kernel for the pool is a nogil numba function whose first two arguments are th
 array (``ctl``: [next chunk, chunks done]) and the chunk size, and which loops:
 
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks: break
+        c = claim(ctl, n_chunks)
+        if c < 0: break
         ... work on chunk c ...
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)
 """
 
 from __future__ import annotations
@@ -38,6 +38,18 @@ import numpy as np
 from numba import njit
 
 from .llvm import atomic_add
+
+
+@njit(nogil=True, cache=True, inline="always")
+def claim(ctl, n_chunks):  # pragma: no cover - jitted
+    """The index of the next unclaimed chunk, or -1 when none is left."""
+    c = atomic_add(ctl, 0, 1)
+    return c if c < n_chunks else -1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def chunk_done(ctl):  # pragma: no cover - jitted
+    atomic_add(ctl, 1, 1)
 
 
 @njit(nogil=True, cache=True)

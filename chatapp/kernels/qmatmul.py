@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from .llvm import as_f32, atomic_add, byte_to_f32, hi_nibble, lo_nibble
-from .pool import chunks, pool
+from .llvm import as_f32, byte_to_f32, hi_nibble, lo_nibble
+from .pool import chunk_done, chunks, claim, pool
 from .simd import q4_row_dot, q8_row_dot
 
 GROUP_SIZES = (32, 64, 128)
@@ -103,11 +103,8 @@ def matmul(w: PackedWeight, x: np.ndarray) -> np.ndarray:
     xsum = group_sums(x, w.group_size)
     chunk = _row_chunk(w.out_features)
     n = chunks(w.out_features, chunk)
-    if w.bits == 4:
-        xe, xo = split_even_odd(x)
-        pool().run(_q4_matmul, n, chunk, w.packed, w.scales, w.biases, xe, xo, xsum, out, w.group_size)
-    else:
-        pool().run(_q8_matmul, n, chunk, w.packed, w.scales, w.biases, x, xsum, out, w.group_size)
+    xa, xb = split_even_odd(x) if w.bits == 4 else (x, x)
+    pool().run(_matmul, n, chunk, w.packed, w.scales, w.biases, xa, xb, xsum, out, w.group_size, w.bits)
     return out
 
 
@@ -173,35 +170,26 @@ def _bias_term(biases, xsum, r, t):  # pragma: no cover - jitted
     return acc
 
 
-# Each chunk's rows are read whole, one after the other: one sequential stream from memory. Rows
-# cut into L1-sized segments (so the activations stay in L1) read 2 KiB pieces 5.5 KiB apart at
-# K = 11008 instead, which the prefetchers follow worse: 5.5 against 4.4 ms for 4096x11008.
+# Rows are read whole, one after the other, so a chunk is one sequential stream from memory: rows
+# cut into L1-sized segments (to keep the activations in L1) read 2 KiB pieces 5.5 KiB apart at
+# K = 11008 instead, which the prefetchers follow worse (5.5 against 4.4 ms for 4096x11008).
 @njit(fastmath=True, nogil=True, cache=True)
-def _q4_matmul(ctl, chunk, wb, scales, biases, xe, xo, xsum, out, group_size):  # pragma: no cover - jitted
+def _matmul(ctl, chunk, wb, scales, biases, xa, xb, xsum, out, group_size, bits):  # pragma: no cover - jitted
+    """out[t, r] = W[r] . x[t]: 4 bits with xa/xb the even/odd activations, 8 bits with xa = x."""
     N = wb.shape[0]
     n_chunks = (N + chunk - 1) // chunk
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         for r in range(c * chunk, min(N, (c + 1) * chunk)):
-            for t in range(xe.shape[0]):
-                out[t, r] = q4_row_dot(wb[r], xe[t], xo[t], scales[r], group_size) + _bias_term(biases, xsum, r, t)
-        atomic_add(ctl, 1, 1)
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _q8_matmul(ctl, chunk, wb, scales, biases, x, xsum, out, group_size):  # pragma: no cover - jitted
-    N = wb.shape[0]
-    n_chunks = (N + chunk - 1) // chunk
-    while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
-            break
-        for r in range(c * chunk, min(N, (c + 1) * chunk)):
-            for t in range(x.shape[0]):
-                out[t, r] = q8_row_dot(wb[r], x[t], scales[r], group_size) + _bias_term(biases, xsum, r, t)
-        atomic_add(ctl, 1, 1)
+            for t in range(xa.shape[0]):
+                if bits == 4:
+                    dot = q4_row_dot(wb[r], xa[t], xb[t], scales[r], group_size)
+                else:
+                    dot = q8_row_dot(wb[r], xa[t], scales[r], group_size)
+                out[t, r] = dot + _bias_term(biases, xsum, r, t)
+        chunk_done(ctl)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -212,8 +200,8 @@ def _q4_dequantize(ctl, chunk, wb, scales, biases, r0, out, group_size):  # prag
     half = group_size // 2
     n_chunks = (R + chunk - 1) // chunk
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         for i in range(c * chunk, min(R, (c + 1) * chunk)):
             r = r0 + i
@@ -229,7 +217,7 @@ def _q4_dequantize(ctl, chunk, wb, scales, biases, r0, out, group_size):  # prag
                     b = wb[r, base + j]
                     lo[base + j] = lo_nibble(b) * s + m
                     hi[base + j] = hi_nibble(b) * s + m
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -238,8 +226,8 @@ def _q8_dequantize(ctl, chunk, wb, scales, biases, r0, out, group_size):  # prag
     R = out.shape[0]
     n_chunks = (R + chunk - 1) // chunk
     while True:
-        c = atomic_add(ctl, 0, 1)
-        if c >= n_chunks:
+        c = claim(ctl, n_chunks)
+        if c < 0:
             break
         for i in range(c * chunk, min(R, (c + 1) * chunk)):
             r = r0 + i
@@ -249,4 +237,4 @@ def _q8_dequantize(ctl, chunk, wb, scales, biases, r0, out, group_size):  # prag
                 base = g * group_size
                 for j in range(group_size):
                     out[i, base + j] = byte_to_f32(wb[r, base + j]) * s + m
-        atomic_add(ctl, 1, 1)
+        chunk_done(ctl)

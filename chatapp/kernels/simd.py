@@ -54,79 +54,88 @@ def _hsum(builder, v):
     return builder.extract_element(v, ir.Constant(ir.IntType(32), 0))
 
 
+def _block_loop(builder: ir.IRBuilder, n_blocks, body):
+    """sum over blocks 0 .. n_blocks-1 of a <16 x float> accumulator: ``body(blk, acc)`` returns
+    the accumulator after block ``blk``. Emits the loop and returns its horizontal sum."""
+    entry = builder.block
+    loop = builder.append_basic_block("rowdot.loop")
+    done = builder.append_basic_block("rowdot.done")
+    zero = ir.Constant(_V16F, [0.0] * 16)
+    builder.cbranch(builder.icmp_unsigned(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
+    builder.position_at_end(loop)
+    blk = builder.phi(_I64)
+    acc = builder.phi(_V16F)
+    blk.add_incoming(ir.Constant(_I64, 0), entry)
+    acc.add_incoming(zero, entry)
+    new_acc = body(blk, acc)
+    nxt = builder.add(blk, ir.Constant(_I64, 1))
+    blk.add_incoming(nxt, builder.block)
+    acc.add_incoming(new_acc, builder.block)
+    builder.cbranch(builder.icmp_unsigned("<", nxt, n_blocks), loop, done)
+    builder.position_at_end(done)
+    final = builder.phi(_V16F)
+    final.add_incoming(zero, entry)
+    final.add_incoming(new_acc, loop)
+    return _hsum(builder, final)
+
+
+def _fma(builder: ir.IRBuilder):
+    return _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]))
+
+
+def _scale_loader(builder: ir.IRBuilder, scales_ptr, half_scales: bool):
+    """scale(i) -> the float32 scale at index i (float16 bits converted)."""
+    def load(i):
+        v = builder.load(builder.gep(scales_ptr, [i]))
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32) if half_scales else v
+    return load
+
+
+def _row_arrays(arrays, dtypes) -> bool:
+    return all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype in d
+               for a, d in zip(arrays, dtypes))
+
+
+_SCALES = (types.float32, types.uint16)
+
+
 @intrinsic
 def q4_row_dot(typingctx, w, xe, xo, scales, group_size):
     """sum_g scales[g] * (q_g . x_g) for one row of 4-bit weights (biases not included).
 
     w: uint8 [K/2] (the row's packed bytes), xe/xo: float32 [K/2] (even/odd activations),
     scales: float32 or uint16 (float16 bits) [K/group_size]; K a multiple of 64."""
-    arrays = (w, xe, xo, scales)
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
-        return None
-    if w.dtype != types.uint8 or xe.dtype != types.float32 or xo.dtype != types.float32:
-        return None
-    if scales.dtype not in (types.float32, types.uint16):
+    if not _row_arrays((w, xe, xo, scales), ((types.uint8,), (types.float32,), (types.float32,), _SCALES)):
         return None
     half_scales = scales.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         wa, ea, oa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
         gs = args[4]
-        n_bytes = builder.extract_value(wa.shape, 0)
-        nblk = builder.udiv(n_bytes, ir.Constant(_I64, 32))
-        # scale index per block: 2 blk (+1) for group 32, blk for 64, blk >> 1 for 128
+        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(_I64, 32))  # 32 bytes: 64 weights
         is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
-        fifteen = ir.Constant(_V16B, [15] * 16)
-        four = ir.Constant(_V16B, [4] * 16)
-        fma = _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]))
+        fifteen, four = ir.Constant(_V16B, [15] * 16), ir.Constant(_V16B, [4] * 16)
+        fma, scale = _fma(builder), _scale_loader(builder, sa.data, half_scales)
 
-        def scale_at(i):
-            p = builder.gep(sa.data, [i])
-            v = builder.load(p)
-            if half_scales:
-                v = builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
-            return v
+        def block(blk, acc):
+            base = builder.mul(blk, ir.Constant(_I64, 32))
+            parts = []
+            for h in range(2):
+                off = builder.add(base, ir.Constant(_I64, 16 * h))
+                b = _vload(builder, wa.data, off, _V16B)
+                lo = builder.uitofp(builder.and_(b, fifteen), _V16F)
+                hi = builder.uitofp(builder.lshr(b, four), _V16F)
+                parts.append(builder.call(fma, [hi, _vload(builder, oa.data, off, _V16F),
+                                                builder.fmul(lo, _vload(builder, ea.data, off, _V16F))]))
+            # scale index: 2 blk (+1 for the second half) with group 32, blk with 64, blk >> 1 with 128
+            two_blk = builder.mul(blk, ir.Constant(_I64, 2))
+            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(_I64, 1))))
+            second = builder.select(is32, builder.add(two_blk, ir.Constant(_I64, 1)), first)
+            acc = builder.call(fma, [parts[0], _splat(builder, scale(first), _V16F), acc])
+            return builder.call(fma, [parts[1], _splat(builder, scale(second), _V16F), acc])
 
-        entry = builder.block
-        loop = builder.append_basic_block("q4row.loop")
-        done = builder.append_basic_block("q4row.done")
-        zero_acc = ir.Constant(_V16F, [0.0] * 16)
-        has = builder.icmp_unsigned(">", nblk, ir.Constant(_I64, 0))
-        builder.cbranch(has, loop, done)
-
-        builder.position_at_end(loop)
-        blk = builder.phi(_I64)
-        acc = builder.phi(_V16F)
-        blk.add_incoming(ir.Constant(_I64, 0), entry)
-        acc.add_incoming(zero_acc, entry)
-        base = builder.mul(blk, ir.Constant(_I64, 32))
-        parts = []
-        for h in range(2):
-            off = builder.add(base, ir.Constant(_I64, 16 * h))
-            b = _vload(builder, wa.data, off, _V16B)
-            lo = builder.uitofp(builder.and_(b, fifteen), _V16F)
-            hi = builder.uitofp(builder.lshr(b, four), _V16F)
-            xe_v = _vload(builder, ea.data, off, _V16F)
-            xo_v = _vload(builder, oa.data, off, _V16F)
-            parts.append(builder.call(fma, [hi, xo_v, builder.fmul(lo, xe_v)]))
-        two_blk = builder.mul(blk, ir.Constant(_I64, 2))
-        s_first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(_I64, 1))))
-        s0 = scale_at(s_first)
-        # group 32: the second half has its own scale; otherwise it shares the first's
-        s1 = scale_at(builder.select(is32, builder.add(two_blk, ir.Constant(_I64, 1)), s_first))
-        acc1 = builder.call(fma, [parts[0], _splat(builder, s0, _V16F), acc])
-        acc2 = builder.call(fma, [parts[1], _splat(builder, s1, _V16F), acc1])
-        nxt = builder.add(blk, ir.Constant(_I64, 1))
-        blk.add_incoming(nxt, builder.block)
-        acc.add_incoming(acc2, builder.block)
-        builder.cbranch(builder.icmp_unsigned("<", nxt, nblk), loop, done)
-
-        builder.position_at_end(done)
-        final = builder.phi(_V16F)
-        final.add_incoming(zero_acc, entry)
-        final.add_incoming(acc2, loop)
-        return _hsum(builder, final)
+        return _block_loop(builder, nblk, block)
 
     return types.float32(w, xe, xo, scales, group_size), codegen
 
@@ -137,53 +146,29 @@ def q8_row_dot(typingctx, w, x, scales, group_size):
 
     w: uint8 [K], x: float32 [K], scales: float32 or uint16 (float16 bits) [K/group_size];
     K a multiple of 32."""
-    arrays = (w, x, scales)
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
-        return None
-    if w.dtype != types.uint8 or x.dtype != types.float32 or scales.dtype not in (types.float32, types.uint16):
+    if not _row_arrays((w, x, scales), ((types.uint8,), (types.float32,), _SCALES)):
         return None
     half_scales = scales.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
         wa, xa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3]))
         gs = args[3]
-        n_bytes = builder.extract_value(wa.shape, 0)
-        nblk = builder.udiv(n_bytes, ir.Constant(_I64, 32))
-        # blocks of 32 elements per scale: 1 (group 32), 2 (64) or 4 (128)
+        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(_I64, 32))  # 32 weights
+        # blocks of 32 weights per scale: 1 (group 32), 2 (64) or 4 (128)
         shift = builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 32)), ir.Constant(_I64, 0),
                                builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 64)),
                                               ir.Constant(_I64, 1), ir.Constant(_I64, 2)))
-        fma = _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]))
-        entry = builder.block
-        loop = builder.append_basic_block("q8row.loop")
-        done = builder.append_basic_block("q8row.done")
-        zero_acc = ir.Constant(_V16F, [0.0] * 16)
-        builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(_I64, 0)), loop, done)
+        fma, scale = _fma(builder), _scale_loader(builder, sa.data, half_scales)
 
-        builder.position_at_end(loop)
-        blk = builder.phi(_I64)
-        acc = builder.phi(_V16F)
-        blk.add_incoming(ir.Constant(_I64, 0), entry)
-        acc.add_incoming(zero_acc, entry)
-        base = builder.mul(blk, ir.Constant(_I64, 32))
-        off = builder.add(base, ir.Constant(_I64, 16))
-        w0 = builder.uitofp(_vload(builder, wa.data, base, _V16B), _V16F)
-        w1 = builder.uitofp(_vload(builder, wa.data, off, _V16B), _V16F)
-        part = builder.call(fma, [w1, _vload(builder, xa.data, off, _V16F),
-                                  builder.fmul(w0, _vload(builder, xa.data, base, _V16F))])
-        s = builder.load(builder.gep(sa.data, [builder.lshr(blk, shift)]))
-        if half_scales:
-            s = builder.fpext(builder.bitcast(s, ir.HalfType()), _F32)
-        acc2 = builder.call(fma, [part, _splat(builder, s, _V16F), acc])
-        nxt = builder.add(blk, ir.Constant(_I64, 1))
-        blk.add_incoming(nxt, builder.block)
-        acc.add_incoming(acc2, builder.block)
-        builder.cbranch(builder.icmp_unsigned("<", nxt, nblk), loop, done)
+        def block(blk, acc):
+            base = builder.mul(blk, ir.Constant(_I64, 32))
+            off = builder.add(base, ir.Constant(_I64, 16))
+            w0 = builder.uitofp(_vload(builder, wa.data, base, _V16B), _V16F)
+            w1 = builder.uitofp(_vload(builder, wa.data, off, _V16B), _V16F)
+            part = builder.call(fma, [w1, _vload(builder, xa.data, off, _V16F),
+                                      builder.fmul(w0, _vload(builder, xa.data, base, _V16F))])
+            return builder.call(fma, [part, _splat(builder, scale(builder.lshr(blk, shift)), _V16F), acc])
 
-        builder.position_at_end(done)
-        final = builder.phi(_V16F)
-        final.add_incoming(zero_acc, entry)
-        final.add_incoming(acc2, loop)
-        return _hsum(builder, final)
+        return _block_loop(builder, nblk, block)
 
     return types.float32(w, x, scales, group_size), codegen
