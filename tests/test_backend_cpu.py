@@ -399,11 +399,11 @@ def test_auto_keeps_no_copies_without_blas(monkeypatch):
     model = random_model()
     plan = accelerate_model(model, backend="cpu", dense_weights="auto")
     assert plan.applied and plan.dense_bytes == 0
-    assert not plan.warnings  # small layers on MLX: the reference BLAS costs them nothing worth a warning
+    assert not plan.warnings  # small layers on MLX: nothing worth a warning
     assert "MLX's BLAS: bundled reference" in plan.summary()
     monkeypatch.setattr(cpu, "NUMPY_MIN_ELEMENTS", 1)  # now every MLX-routed layer counts as large
     plan = accelerate_model(random_model(), backend="cpu", dense_weights="auto", kernels="off")
-    assert any("reference BLAS" in w and "15 large layers" in w for w in plan.warnings)
+    assert any("15 large quantised layers run on MLX" in w and "cpu.kernels = off" in w for w in plan.warnings)
 
 
 def test_twice_and_bad_arguments():
