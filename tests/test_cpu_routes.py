@@ -17,6 +17,7 @@ from chatapp.backend.cpu import CpuQuantizedLinear, accelerate_model, apply_fast
 from chatapp.engine.generate import GenerationSettings, TokenEvent  # noqa: E402
 from chatapp.engine.session import Session  # noqa: E402
 from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer  # noqa: E402
+from tests.test_backend_cpu import greedy  # noqa: E402 (mlx-lm's KVCache, argmax each step)
 
 SHAPE = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=64, intermediate_size=512, vocab_size=512)
@@ -36,19 +37,6 @@ def model(bits: int = 4, group_size: int = 64, tied: bool = False, shape: LlamaS
         nn.quantize(m, group_size=group_size, bits=bits, class_predicate=lambda _, x: isinstance(x, nn.Embedding))
     mx.eval(m.parameters())
     return m
-
-
-def greedy(m, prompt: mx.array, n: int) -> list[int]:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(m)
-    logits = m(prompt, cache=cache)
-    out = []
-    for _ in range(n):
-        y = mx.argmax(logits[:, -1, :], axis=-1)
-        out.append(int(y.item()))
-        logits = m(y[None], cache=cache)
-    return out
 
 
 def close(a: mx.array, b: mx.array, tol: float = 1e-4) -> bool:
