@@ -67,6 +67,7 @@ class CpuPlan:
     blas_loaded: bool = False
     blas: str | None = None
     kernels: str = ""  # KernelInfo.summary()
+    kernels_ok: bool = False  # the kernels can run here (numba present, cpu.kernels not off)
     gemm: str = ""  # the BLAS the kernels' prefill gemms run on
     dense_prefill_threshold: int = 16
     dense_weights: str = "auto"
@@ -192,15 +193,15 @@ def accelerate_model(
     act = _activation_dtype(model)
     if act is not None:
         plan.cast_lookups = _cast_lookups(model, act)
+    # probed whatever the model holds: the decode attention kernels need it too
+    kernels_ok, kernels_why = _kernels_available(kernels, threads, plan)
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
     if not targets:
         plan.reason = "the model has no quantised layers"
         return plan
     targets.sort(key=lambda t: _natural(t[0]))  # model order: layers.2 before layers.10
-    targets.sort(key=lambda t: isinstance(t[1], nn.QuantizedEmbedding) or t[0].rsplit(".", 1)[-1] in ("lm_head", "output"))
-
-    kernels_ok, kernels_why = _kernels_available(kernels, threads, plan)
+    targets.sort(key=lambda t: _is_output_head(*t))  # then the head, last
     replaced = {}
     for name, m in targets:
         if isinstance(m, nn.QuantizedEmbedding):
@@ -209,8 +210,7 @@ def accelerate_model(
         else:
             new = CpuQuantizedLinear(m, dense_prefill_threshold, numpy_matvec)
             plan.layers.append(name)
-        # the output head: a tied embedding's as_linear, or the model's last projection
-        new._route.output_head = isinstance(new, CpuQuantizedEmbedding) or name.rsplit(".", 1)[-1] in ("lm_head", "output")
+        new._route.output_head = _is_output_head(name, m)
         replaced[name] = new
         plan.dense_bytes_wanted += new.dense_nbytes
     _set_modules(model, replaced)
@@ -267,6 +267,11 @@ def accelerate_model(
     return plan
 
 
+def _is_output_head(name: str, module: nn.Module) -> bool:
+    """A tied embedding (its as_linear is the head) or the model's last projection."""
+    return isinstance(module, nn.QuantizedEmbedding) or name.rsplit(".", 1)[-1] in ("lm_head", "output")
+
+
 def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool, str | None]:
     """(usable, why not); fills the plan's kernel and gemm descriptions."""
     if kernels == "off":
@@ -284,6 +289,7 @@ def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool,
     from chatapp.backend.numpy_blas import numpy_blas
 
     plan.gemm = numpy_blas().describe()
+    plan.kernels_ok = True
     return True, None
 
 
@@ -360,11 +366,6 @@ def apply_fast_path(model: nn.Module, *, backend: str, fast_attention: bool = Tr
 
     plan = accelerate_model(model, backend=backend, **options)
     attention = [install_prefill_attention(backend, fast_attention)]
-    on_cpu = (backend or "").lower() == "cpu"
-    decode = on_cpu and fast_attention and options.get("kernels", "auto") != "off" and plan.kernels.startswith("kernels: numba")
-    if on_cpu and not plan.kernels:  # a model without quantised layers still gets the probe
-        _kernels_available(options.get("kernels", "auto"), options.get("threads", 0), plan)
-        decode = fast_attention and plan.kernels.startswith("kernels: numba")
-    attention.append(install_decode_attention(decode))
+    attention.append(install_decode_attention(fast_attention and plan.kernels_ok))
     plan.attention = "; ".join(attention)
     return plan
