@@ -34,14 +34,9 @@ def _heads(a: mx.array, as_bytes: bool = False) -> tuple[np.ndarray, int]:
 
 
 def _scale_view(a: mx.array) -> tuple[np.ndarray, int]:
-    from chatapp.kernels import half_scales_native
+    from .qlinear import scales_for_kernels
 
-    if a.dtype == mx.float16 and half_scales_native():
-        a = a.view(mx.uint16)
-    elif a.dtype != mx.float32:
-        a = a.astype(mx.float32)
-    mx.eval(a)
-    return _heads(a)
+    return _heads(scales_for_kernels(a))
 
 
 def decode_full(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array | None:
@@ -64,7 +59,6 @@ def decode_full(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
 
 
 _EMPTY_F32 = np.zeros(0, np.float32)
-_EMPTY_U8 = np.zeros(0, np.uint8)
 
 
 def decode_mixed(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale: float, mask: Any,

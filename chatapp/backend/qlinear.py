@@ -140,24 +140,26 @@ def _kernel_matmul(x: mx.array, route: Route, out_dtype: mx.Dtype) -> mx.array:
     return _from_numpy(y, x.shape[:-1], out_dtype)
 
 
-def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
-    """numpy views (no copies) of a quantised weight for the kernels; float16 scales are read
-    as their uint16 bits, other non-float32 dtypes are converted once."""
+def scales_for_kernels(a: mx.array) -> mx.array:
+    """Scales or biases as the kernels read them, evaluated: float32 as they are, float16 as their
+    uint16 bits where the CPU converts half floats natively, anything else converted to float32."""
     from chatapp.kernels import half_scales_native
+
+    if a.dtype == mx.float16 and half_scales_native():
+        a = a.view(mx.uint16)
+    elif a.dtype != mx.float32:
+        a = a.astype(mx.float32)
+    mx.eval(a)
+    return a
+
+
+def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
+    """numpy views (no copies) of a quantised weight for the kernels (scales: scales_for_kernels)."""
     from chatapp.kernels.qmatmul import PackedWeight
 
-    native = half_scales_native()
-
-    def float_view(a: mx.array) -> np.ndarray:
-        if a.dtype == mx.float16 and native:
-            a = a.view(mx.uint16)
-        elif a.dtype != mx.float32:
-            a = a.astype(mx.float32)
-        mx.eval(a)
-        return np.asarray(a)
-
     mx.eval(weight)
-    return PackedWeight(np.asarray(weight).view(np.uint8), float_view(scales), float_view(biases), bits, group_size)
+    return PackedWeight(np.asarray(weight).view(np.uint8), np.asarray(scales_for_kernels(scales)),
+                        np.asarray(scales_for_kernels(biases)), bits, group_size)
 
 
 class _Routed:
