@@ -90,36 +90,37 @@ def mlx_lm_generate(model, prompt: list[int], n: int) -> tuple[list[int], float,
     return out, *_rates(len(prompt), t0, stamps)
 
 
-def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 512) -> tuple[list[int], float, float]:
-    """The same measurement through chatapp's caches (prealloc, attention dispatched to the
-    cache, so decode attention takes the CPU kernel when installed).
-
-    Like mlx-lm it prefills in chunks that evaluate only the cache (the output head runs for
-    the last position only: ``last_position_only``), then decodes one token at a time with the
-    next step queued (async_eval) before the current token is read.
-    """
+def chatapp_prefill(model, cache, prompt: list[int], step: int = 512):
+    """Prefill all but the last prompt token in chunks that evaluate only the cache (the output
+    head runs for no position: ``last_position_only``), as mlx-lm does; returns the last token,
+    the first input of ``greedy_decode``."""
     import mlx.core as mx
 
-    from cache import CacheSettings, make_caches
     from chatapp.backend.qlinear import last_position_only
 
-    cache = make_caches(model, CacheSettings(mode="prealloc"))
     toks = mx.array(prompt)
-    out, stamps = [], []
-    t0 = time.perf_counter()
     i = 0
     while len(prompt) - i > 1:
-        k = min(prefill_step, len(prompt) - 1 - i)
+        k = min(step, len(prompt) - 1 - i)
         with last_position_only():
             model(toks[i : i + k][None], cache=cache)
         mx.eval([c.state for c in cache])
         i += k
+    return toks[i:]
 
-    def step(inputs):
-        return mx.argmax(model(inputs[None], cache=cache)[:, -1, :], axis=-1)
 
-    y = step(toks[i:])
+def greedy_decode(model, cache, inputs, n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens from ``inputs`` (an mx.array of token ids), the next step queued
+    (async_eval) before the current token is read, as the Session does; returns the tokens and
+    the times they reached Python."""
+    import mlx.core as mx
+
+    def step(x):
+        return mx.argmax(model(x[None], cache=cache)[:, -1, :], axis=-1)
+
+    y = step(inputs)
     mx.async_eval(y)
+    out, stamps = [], []
     while True:
         nxt = step(y) if len(out) + 1 < n else None
         if nxt is not None:
@@ -127,8 +128,18 @@ def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 512) 
         out.append(int(y.item()))
         stamps.append(time.perf_counter())
         if nxt is None:
-            break
+            return out, stamps
         y = nxt
+
+
+def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 512) -> tuple[list[int], float, float]:
+    """The same measurement through chatapp's caches (prealloc, attention dispatched to the
+    cache, so decode attention takes the CPU kernel when installed)."""
+    from cache import CacheSettings, make_caches
+
+    cache = make_caches(model, CacheSettings(mode="prealloc"))
+    t0 = time.perf_counter()
+    out, stamps = greedy_decode(model, cache, chatapp_prefill(model, cache, prompt, prefill_step), n)
     return out, *_rates(len(prompt), t0, stamps)
 
 

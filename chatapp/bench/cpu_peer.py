@@ -53,45 +53,12 @@ def _fill_layer_by_layer(caches, geom, context: int, seed: int) -> None:
 # --- chatapp ----------------------------------------------------------------------------------
 
 
-def _chatapp_prefill(model, caches, prompt: list[int], step: int = 512):
-    import mlx.core as mx
-
-    from chatapp.backend.qlinear import last_position_only
-
-    logits = None
-    for i in range(0, len(prompt), step):
-        with last_position_only():
-            out = model(mx.array([prompt[i : i + step]]), cache=caches)
-        if i + step < len(prompt):
-            mx.eval([c.state for c in caches])
-        else:
-            logits = out[:, -1, :]
-    return logits
-
-
-def _chatapp_decode(model, caches, logits, n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens with the next step queued before the current token is read (as the Session)."""
-    import mlx.core as mx
-
-    y = mx.argmax(logits, axis=-1)
-    mx.async_eval(y)
-    out, stamps = [], []
-    while True:
-        nxt = mx.argmax(model(y[None], cache=caches)[:, -1, :], axis=-1) if len(out) + 1 < n else None
-        if nxt is not None:
-            mx.async_eval(nxt)
-        out.append(int(y.item()))
-        stamps.append(time.perf_counter())
-        if nxt is None:
-            return out, stamps
-        y = nxt
-
-
 def run_chatapp(spec: dict) -> dict:
     import mlx.core as mx
 
     from cache import CacheSettings, make_caches, model_geometry
     from chatapp.backend.cpu import apply_fast_path
+    from chatapp.bench.cpu_bench import chatapp_prefill, greedy_decode
     from chatapp.config import CacheConfig
     from chatapp.engine.loader import load_model
 
@@ -112,24 +79,17 @@ def run_chatapp(spec: dict) -> dict:
         m["weight"].nbytes + m["scales"].nbytes + m["biases"].nbytes
         for _, m in model.named_modules() if isinstance(m, _Routed) and m.route == "kernel")
 
-    prealloc = CacheSettings(mode="prealloc")
-    caches = make_caches(model, prealloc)
-    short = spec["prompt"][: spec["short"]]
-    t = time.perf_counter()
-    logits = _chatapp_prefill(model, caches, short)
-    mx.eval(logits)
-    res["short_prefill_tok_s"] = _rate(len(short), time.perf_counter() - t)
-    res["greedy"], _ = _chatapp_decode(model, caches, logits, spec["greedy"])
+    def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
+        """Greedy tokens, prefill tok/s (prompt / time to the first token), token times."""
+        caches = make_caches(model, CacheSettings(mode="prealloc"))
+        t = time.perf_counter()
+        tokens, stamps = greedy_decode(model, caches, chatapp_prefill(model, caches, prompt), n)
+        return tokens, _rate(len(prompt), stamps[0] - t), stamps
 
-    caches = make_caches(model, prealloc)
-    t = time.perf_counter()
-    logits = _chatapp_prefill(model, caches, spec["prompt"])
-    mx.eval(logits)
-    res["prefill_tok_s"] = _rate(len(spec["prompt"]), time.perf_counter() - t)
-    _, stamps = _chatapp_decode(model, caches, logits, spec["decode"] + 1)
+    res["greedy"], res["short_prefill_tok_s"], _ = generate(spec["prompt"][: spec["short"]], spec["greedy"])
+    _, res["prefill_tok_s"], stamps = generate(spec["prompt"], spec["decode"] + 1)
     res["decode_tok_s"] = _step_rate(stamps)
     res["peak_rss"] = _peak_rss()  # load + the 256-token turn: what the RSS target is about
-    del caches
 
     geom = model_geometry(model)
     g = {"kv_heads": geom.n_kv_heads, "head_dim": geom.head_dim}
@@ -145,10 +105,9 @@ def run_chatapp(spec: dict) -> dict:
             caches = make_caches(model, settings)
             _fill_layer_by_layer(caches, g, ctx, spec["seed"])
             held = caches[0].offset
-            logits = model(mx.array([[spec["prompt"][-1]]]), cache=caches)[:, -1, :]
-            _, stamps = _chatapp_decode(model, caches, logits, spec["long_tokens"] + 1)
+            _, stamps = greedy_decode(model, caches, mx.array([spec["prompt"][-1]]), spec["long_tokens"] + 1)
             res["long"].append({"mode": mode, "context": ctx, "held": held, "decode_tok_s": _step_rate(stamps)})
-            del caches, logits
+            del caches
             mx.clear_cache()
     return res
 
