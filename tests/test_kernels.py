@@ -111,7 +111,8 @@ def run_attend_full(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.n
     H, D = q.shape[1], q.shape[3]
     (kf, ks), (vf, vs) = A.heads_view(np.asarray(k)[0]), A.heads_view(np.asarray(v)[0])
     out = np.empty((H, D), np.float32)
-    pool().run(A.attend_full, H, 1, np.asarray(q).reshape(H, D), kf, ks, vf, vs, k.shape[2], np.float32(scale), out)
+    pool().run(A.attend_full, H, 1, np.asarray(q).reshape(H, D), k.shape[1], kf, ks, vf, vs, k.shape[2],
+               np.float32(scale), out)
     return out
 
 

@@ -53,7 +53,7 @@ def decode_full(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
     q = _float32(queries).reshape(H, D)
     (kf, ks), (vf, vs) = _heads(keys), _heads(values)
     out = np.empty((H, values.shape[3]), np.float32)
-    pool().run(attend_full, chunks(H, 1), 1, q, kf, ks, vf, vs, keys.shape[2], np.float32(scale), out)
+    pool().run(attend_full, chunks(H, 1), 1, q, keys.shape[1], kf, ks, vf, vs, keys.shape[2], np.float32(scale), out)
     res = mx.array(out).reshape(1, H, 1, -1)
     return res if queries.dtype == mx.float32 else res.astype(queries.dtype)
 

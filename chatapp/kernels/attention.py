@@ -137,13 +137,11 @@ def _rows(flat, head, head_stride, n, width):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def attend_full(ctl, chunk, q, k, k_stride, v, v_stride, n, scale, out):  # pragma: no cover - jitted
-    """out[h] = softmax(scale * q[h] K^T) V for q [H, D] over n tokens of flat K/V buffers.
-
-    Chunked over query heads for ``pool.run``; a chunk holds ``chunk`` adjacent heads, so the
-    heads sharing a KV head (GQA) mostly run on the thread that has its keys in cache."""
+def attend_full(ctl, chunk, q, kvh, k, k_stride, v, v_stride, n, scale, out):  # pragma: no cover - jitted
+    """out[h] = softmax(scale * q[h] K^T) V for q [H, D] over n tokens of flat K/V buffers
+    holding kvh heads. Chunked over query heads (``chunk`` adjacent heads each) for ``pool.run``."""
     H, D = q.shape
-    G = H // _heads(k, k_stride, n, D)
+    G = H // kvh
     n_chunks = (H + chunk - 1) // chunk
     s = np.empty(n, np.float32)
     o = np.empty(D, np.float32)
@@ -160,12 +158,6 @@ def attend_full(ctl, chunk, q, k, k_stride, v, v_stride, n, scale, out):  # prag
             for j in range(D):
                 out[h, j] = o[j] / tot
         chunk_done(ctl)
-
-
-@njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _heads(flat, head_stride, n, width):  # pragma: no cover - jitted
-    """How many heads a flat buffer holds (its last head has n rows of ``width``)."""
-    return (flat.shape[0] - n * width) // head_stride + 1 if head_stride else 1
 
 
 @njit(fastmath=True, cache=True, nogil=True)
