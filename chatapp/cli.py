@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float)
     g.add_argument("--max-tokens", type=int)
     g.add_argument("--ignore-eos", action="store_true", default=None,
-                   help="generate max-tokens tokens even past end-of-sequence (benchmarks, tests)")
+                   help="never sample end-of-sequence: generate max-tokens tokens (benchmarks, tests)")
     g.add_argument("--seed", type=int, help="-1 for random")
     c = p.add_argument_group("KV cache")
     c.add_argument("--cache-mode", choices=CACHE_MODES)

@@ -224,7 +224,12 @@ def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):
     assert done.stats.finish == "length" and done.stats.generated_tokens == 400
     assert done.text.startswith(ended.text) and len(done.text) > len(ended.text)
     assert "<s>" not in done.text and "</s>" not in done.text
-    assert any(e.token in s.eos_ids for e in events if isinstance(e, TokenEvent))
+    # the end tokens are banned, not generated and hidden: the cache holds exactly the reply's
+    # tokens, so the next turn reuses all of it
+    assert not any(e.token in s.eos_ids for e in events if isinstance(e, TokenEvent))
+    before = len(s.cached)
+    nxt = run(s.send("And then?"))
+    assert nxt.stats.reused_tokens >= before - 1
 
 
 def test_replies_without_a_leading_space_are_reused_next_turn():

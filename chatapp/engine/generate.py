@@ -20,7 +20,7 @@ class GenerationSettings:
     seed: int | None = None
     max_tokens: int = 512
     repetition_penalty: float = 1.0
-    ignore_eos: bool = False  # run to max_tokens: end-of-sequence tokens are generated but not shown
+    ignore_eos: bool = False  # run to max_tokens: end-of-sequence tokens are never sampled
 
     def sampler(self) -> Callable[[mx.array], mx.array]:
         # mlx-lm's samplers; top_p of 1.0 means "off" there as 0.0 does.

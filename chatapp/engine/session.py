@@ -282,9 +282,19 @@ class Session:
             mx.random.seed(gen.seed)
         sampler, processors = gen.sampler(), gen.processors()
         history = mx.array(self.cached[-64:]) if processors else None
+        # ignore_eos bans the end tokens (as llama.cpp's --ignore-eos does) rather than generating
+        # and hiding them: a hidden token sits in the cache but not in the reply's text, so the
+        # next turn's rendering would stop matching the cache there.
+        banned = sorted(self.eos_ids) if gen.ignore_eos else []
+        ban = None
 
         def sample(lg):
-            nonlocal history
+            nonlocal history, ban
+            if banned:
+                if ban is None:
+                    ban = mx.zeros((lg.shape[-1],), lg.dtype)
+                    ban[mx.array(banned)] = -mx.inf
+                lg = lg + ban
             if processors:
                 for p in processors:
                     lg = p(history, lg)
@@ -322,11 +332,9 @@ class Session:
                 stats.steps.append(StepStat(context, (now - t_last) * 1000))
             t_last = now
             if tok in self.eos_ids:
-                if not gen.ignore_eos:
-                    finish = "eos"
-                    break
-            else:
-                detok.add_token(tok)
+                finish = "eos"
+                break
+            detok.add_token(tok)
             n += 1
             stats.generated_tokens = n
             stats.decode_seconds = now - t0 - stats.ttft
