@@ -105,6 +105,7 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
         raise SetupError(f"cache.{e}") from None
     session.format_choice = choice
     session.model_id = loaded.model_id
+    session.notices.extend(getattr(loaded, "notes", []))  # a GGUF's file, types and conversions
     plan = getattr(loaded, "cpu_plan", None)
     if plan is not None and plan.applied:
         session.notices.append(f"CPU fast path: {plan.headline()}")
