@@ -29,12 +29,12 @@ from .gguf_tokenizer import build_tokenizer, check_vocabulary, vocab_summary
 
 SUPPORTED_ARCHITECTURES = ("llama",)  # llama.cpp's name for Llama 2/3, SmolLM, Mistral-style files
 GROUP_SIZE = 32  # every block quant MLX reads has blocks of 32
-_LAYER = {
+LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SUFFIXES = (".weight", ".scales", ".biases", ".bias")
 
@@ -54,11 +54,11 @@ def module_path(gguf_name: str) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; GGUFError for a name
     that has no place in a llama model."""
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _TOP and suffix in ("weight", "bias"):
-        return f"{_TOP[base]}.{suffix}"
+    if base in TOP_NAMES and suffix in ("weight", "bias"):
+        return f"{TOP_NAMES[base]}.{suffix}"
     raise GGUFError(f"tensor {gguf_name!r} has no place in a llama model")
 
 

@@ -180,8 +180,10 @@ def sentencepiece_vocab(tokenizer_model: str | Path) -> tuple[list[str], list[fl
 
 
 def nbytes_of(shape: tuple[int, ...], kind: int) -> int:
-    n = int(np.prod(shape))
-    return {F32: 4 * n, F16: 2 * n, Q4_0: n // 32 * 18, Q4_1: n // 32 * 20, Q8_0: n // 32 * 34}[kind]
+    from .gguf_file import GGML_TYPES
+
+    t = GGML_TYPES[kind]
+    return int(np.prod(shape)) // t.block * t.nbytes
 
 
 def write_gguf(path: str | Path, metadata: Iterable[tuple[str, Any]],
