@@ -354,6 +354,7 @@ class CpuConfig:
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
     fast_attention: bool = _setting(True, _Bool())
     numpy_matvec: bool = _setting(True, _Bool())
+    fused_decode: bool = _setting(True, _Bool())
 
 
 @dataclass
