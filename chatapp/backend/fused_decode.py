@@ -157,6 +157,27 @@ class FusedDecoder:
         self._k_out = np.empty(kd, np.float32)
         self._attn = np.empty(hd, np.float32)
         self._act = np.empty(hidden, np.float32)
+        # what token_step takes: the weights as typed lists (built once), norms and bits stacked
+        from numba.typed import List
+
+        self._lists = []
+        for j in range(len(_PROJECTIONS)):
+            lst = List()
+            for layer in self.layers:
+                lst.append(layer.weights[j])
+            self._lists.append(lst)
+        self._attn_norms = np.stack([layer.attn_norm for layer in self.layers])
+        self._mlp_norms = np.stack([layer.mlp_norm for layer in self.layers])
+        self._bits = np.stack([layer.bits for layer in self.layers])
+        self._eps = self.layers[0].eps
+        if any(layer.eps != self._eps for layer in self.layers):
+            raise ValueError("fused decode: layers with different norm eps")
+        n = len(self.layers)
+        self._k_all = np.empty((n, kd), np.float32)
+        self._v_all = np.empty((n, kd), np.float32)
+        self._kv_addr = np.empty((n, 2), np.int64)
+        self._kv_size = np.empty(n, np.int64)
+        self._kv_stride = np.empty(n, np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -179,7 +200,7 @@ class FusedDecoder:
 
     def step(self, token: int, caches: list) -> np.ndarray:
         """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
-        from chatapp.kernels.decode_step import layer_step, new_ctl, rms_norm, rope_angles
+        from chatapp.kernels.decode_step import CTL_SIZE, rms_norm, rope_angles, token_step
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
@@ -195,15 +216,24 @@ class FusedDecoder:
         mx.eval(*bufs)
         cos, sin = rope_angles(position, self.inv_freq)
         x = self.embedding(token)
-        run = pool().broadcast
-        for layer, c in zip(self.layers, caches):
-            # the buffers are contiguous [1, kv_heads, capacity, D]: flat, heads capacity * D apart
-            kf, vf = np.asarray(c.full.keys).reshape(-1), np.asarray(c.full.values).reshape(-1)
-            ks = vs = c.full.capacity * D
-            run(layer_step, new_ctl(), x, layer.attn_norm, layer.mlp_norm, layer.eps, *layer.weights,
-                layer.bits, self.group_size, cos, sin, self.traditional, self.n_heads, KVH, kf, ks, vf, vs,
-                c.full.length, self.scale, self._q, self._k, self._v, self._k_out, self._attn, self._act)
-            c.update_and_fetch(mx.array(self._k_out).reshape(1, KVH, 1, D), mx.array(self._v).reshape(1, KVH, 1, D))
+        held = []  # the numpy views stay alive (and the buffers with them) while the kernel runs
+        for i, c in enumerate(caches):
+            # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
+            kf, vf = np.asarray(c.full.keys), np.asarray(c.full.values)
+            held += [kf, vf]
+            self._kv_addr[i, 0], self._kv_addr[i, 1] = kf.ctypes.data, vf.ctypes.data
+            self._kv_size[i] = kf.size
+            self._kv_stride[i] = c.full.capacity * D
+        n_cached = caches[0].full.length
+        if any(c.full.length != n_cached for c in caches):
+            raise ValueError("fused decode: the layers' caches hold different token counts")
+        pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
+                         self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
+                         self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
+                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act)
+        k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
         xn = rms_norm(x, self.final_norm, self.final_eps)
         if self.head_packed is not None:
             from chatapp.kernels.qmatmul import matmul

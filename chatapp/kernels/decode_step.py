@@ -4,8 +4,8 @@ A small model's decode step is dominated by dispatch, not arithmetic: SmolLM2-13
 of 7 projections (most under 1024x1024) plus norms, RoPE, attention and the MLP's activation, and
 MLX's CPU backend pays each of those ~210 products and ~300 element-wise ops a dispatch (and the
 products its slow ``quantized_matmul``): ~100 ms a token against llama.cpp's ~9. ``layer_step``
-does the whole layer, on the packed weights, in one call that every pool thread runs
-(``WorkPool.broadcast``):
+does the whole layer, on the packed weights, and ``token_step`` runs every layer in one call
+that every pool thread runs (``WorkPool.broadcast``), so the helpers start once per token:
 
     x += o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = rms_norm(x)
     x += down_proj(silu(gate_proj(m)) * up_proj(m))                       m = rms_norm(x)
@@ -30,7 +30,7 @@ group size. Scales/biases float32 or float16 bits (uint16), as the other kernels
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
 from llvmlite import ir
 from numba import types
@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 
 from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
 from .llvm import as_f32, atomic_add
+from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 PHASES = 5
@@ -45,10 +46,6 @@ ROW_CHUNK = 16  # rows per claimed chunk
 # Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
 # at a barrier then reads a line the claiming thread does not write to on every claim.
 _LINE = 8  # int64s per cache line
-
-
-def new_ctl() -> np.ndarray:
-    return np.zeros(2 * _LINE * PHASES, np.int64)
 
 
 @intrinsic
@@ -121,6 +118,34 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
     return d
 
 
+@njit(fastmath=True, nogil=True, cache=True)
+def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add):  # pragma: no cover - jitted
+    """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
+    4-bit rows four at a time (rows4.py), the rest one by one."""
+    packed, scales, biases = w
+    r = r_start
+    tmp = np.empty(ROWS, np.float32)
+    if bits == 4:
+        while r + ROWS <= r_end:
+            q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
+            for i in range(ROWS):
+                d = tmp[i]
+                for g in range(biases.shape[1]):
+                    d += as_f32(biases[r + i, g]) * xsum[g]
+                if add:
+                    dst[r - r_start + i] += d
+                else:
+                    dst[r - r_start + i] = d
+            r += ROWS
+    while r < r_end:
+        d = _row(w, bits, group_size, r, xn, xe, xo, xsum)
+        if add:
+            dst[r - r_start] += d
+        else:
+            dst[r - r_start] = d
+        r += 1
+
+
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
 def _rope(v, cos, sin, traditional):  # pragma: no cover - jitted
     """Rotate v [D] in place: pairs (2i, 2i+1) when traditional, else (i, i + D/2)."""
@@ -165,6 +190,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     xo = np.empty(kmax // 2, np.float32)
     xsum = np.empty(kmax // group_size, np.float32)
     no_norm = np.empty(0, np.float32)
+    gbuf = np.empty(ROW_CHUNK, np.float32)
+    ubuf = np.empty(ROW_CHUNK, np.float32)
 
     # 1. q, k, v rows (one phase over their rows together)
     _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size])
@@ -173,13 +200,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         c = _claim(ctl, 0, n1)
         if c < 0:
             break
-        for r in range(c * ROW_CHUNK, min(nqkv, (c + 1) * ROW_CHUNK)):
-            if r < nq:
-                q[r] = _row(wq, bits[0], group_size, r, xn, xe, xo, xsum)
-            elif r < nq + nk:
-                k_new[r - nq] = _row(wk, bits[1], group_size, r - nq, xn, xe, xo, xsum)
-            else:
-                v_new[r - nq - nk] = _row(wv, bits[2], group_size, r - nq - nk, xn, xe, xo, xsum)
+        a, b = c * ROW_CHUNK, min(nqkv, (c + 1) * ROW_CHUNK)
+        # the chunk's rows, cut where q's rows end and k's, then v's, begin
+        for lo_, hi_, w, wb, dst, off in ((0, nq, wq, bits[0], q, 0), (nq, nq + nk, wk, bits[1], k_new, nq),
+                                          (nq + nk, nqkv, wv, bits[2], v_new, nq + nk)):
+            s0, s1 = max(a, lo_), min(b, hi_)
+            if s0 < s1:
+                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off], False)
         _done(ctl, 0)
     _barrier(ctl, 0, n1)
 
@@ -223,8 +250,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         c = _claim(ctl, 2, n3)
         if c < 0:
             break
-        for r in range(c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)):
-            x[r] += _row(wo, bits[3], group_size, r, xn, xe, xo, xsum)
+        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True)
         _done(ctl, 2)
     _barrier(ctl, 2, n3)
 
@@ -235,10 +262,11 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         c = _claim(ctl, 3, n4)
         if c < 0:
             break
-        for r in range(c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)):
-            g = _row(wg, bits[4], group_size, r, xn, xe, xo, xsum)
-            u = _row(wu, bits[5], group_size, r, xn, xe, xo, xsum)
-            act[r] = _silu_mul(g, u)
+        a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False)
+        for r in range(a, b):
+            act[r] = _silu_mul(gbuf[r - a], ubuf[r - a])
         _done(ctl, 3)
     _barrier(ctl, 3, n4)
 
@@ -250,10 +278,45 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         c = _claim(ctl, 4, n5)
         if c < 0:
             break
-        for r in range(c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)):
-            x[r] += _row(wd, bits[6], group_size, r, xn, xe, xo, xsum)
+        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True)
         _done(ctl, 4)
     _barrier(ctl, 4, n5)
+
+
+@intrinsic
+def _f32_at(typingctx, addr):
+    """The float32 pointer at integer address ``addr`` (a buffer's data address)."""
+    if addr != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+CTL_SIZE = 2 * _LINE * PHASES
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
+               cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
+               scale, q, k_new, v_out, k_out, attn, act):  # pragma: no cover - jitted
+    """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
+    CTL_SIZE counters per layer): helpers start once per token, not once per layer.
+
+    w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
+    kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
+    capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
+    receive each layer's new V and roped K."""
+    for layer in range(bits.shape[0]):
+        k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
+        v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
+                   wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
+                   group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer], v_cache, kv_stride[layer],
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act)
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
