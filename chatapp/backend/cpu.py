@@ -85,7 +85,7 @@ class CpuPlan:
     routes: list[LayerRoute] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     attention: str = ""  # set by apply_fast_path: the prefill and decode attention routes
-    fused_decode: str = ""  # whether single-token steps run as one native call per layer, or why not
+    fused_decode: str = ""  # whether single-token steps run as one native call per token, or why not
     warm_up_seconds: float = 0.0  # compiling / loading the kernels the plan uses
     cast_lookups: list[str] = field(default_factory=list)  # embedding tables kept as stored, rows cast
 
@@ -166,7 +166,7 @@ def accelerate_model(
     more than they save; tests lower it). warm_up: compile (or load from numba's disk cache) the
     kernels the plan uses now rather than in the first reply. fused_decode: a Llama-style model
     whose projections the kernels all support runs each single-token step as one native call
-    per layer (fused_decode.py); every supported projection then takes the kernel route, since
+    (fused_decode.py); every supported projection then takes the kernel route, since
     decode no longer pays a dispatch per small layer. dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
@@ -212,7 +212,7 @@ def accelerate_model(
 
         fuse = fused_unsupported(model)
         if fuse is None:
-            kernel_min_elements = 0  # decode dispatches once per layer, not once per projection
+            kernel_min_elements = 0  # decode dispatches once per token, not once per projection
     targets.sort(key=lambda t: _natural(t[0]))  # model order: layers.2 before layers.10
     targets.sort(key=lambda t: _is_output_head(*t))  # then the head, last
     replaced = {}

@@ -33,7 +33,7 @@ def cpu_backend_lines(cpu) -> list[str]:
                          if cpu.fast_attention else "decode attention: MLX SDPA (cpu.fast_attention = false)")
             from chatapp.backend.fused_decode import FUSED_MODEL_TYPES
 
-            lines.append(f"fused decode: one native call per layer for {'/'.join(FUSED_MODEL_TYPES)} models with "
+            lines.append(f"fused decode: one native call per token for {'/'.join(FUSED_MODEL_TYPES)} models with "
                          "kernel-readable projections and a prealloc cache (every such projection then takes the kernel)"
                          if cpu.fused_decode else "fused decode: off (cpu.fused_decode = false)")
     if cpu.dense_weights == "on":

@@ -1,11 +1,11 @@
-"""The decode step of a Llama-style model in one native call per layer (CPU backend).
+"""The decode step of a Llama-style model in one native call per token (CPU backend).
 
 MLX's CPU backend pays a dispatch for each op: a 1-token step of SmolLM2-135M runs ~210
 quantised products (most under 1024x1024, on MLX's slow ``quantized_matmul``) and ~300
-element-wise ops, ~100 ms a token where llama.cpp takes ~9. ``FusedDecoder.step`` runs the
-token through `chatapp.kernels.decode_step.layer_step` (norms, the 7 projections on the packed
-weights, RoPE, attention over the cache's buffers read in place, the MLP) once per layer, then
-the output head on the packed kernel. The new K/V rows go into the cache through its own
+element-wise ops, ~130 ms a token where llama.cpp takes ~10. ``FusedDecoder.step`` runs the
+token through `chatapp.kernels.decode_step.token_step` (per layer: norms, the 7 projections on
+the packed weights, RoPE, attention over the cache's buffers read in place, the MLP) in one
+call, then the output head on the packed kernel. The new K/V rows go into the cache through its own
 ``update_and_fetch`` (MLX's slice update, copy-on-write), so the cache, its state, trimming and
 the prefix store see exactly what the MLX step would have written.
 
@@ -293,7 +293,7 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True) -> str:
     object.__setattr__(model, "_chatapp_fused", dec)
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))
-    return f"fused decode: one native call per layer ({len(dec.layers)} layers) and the output head"
+    return f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head"
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:

@@ -42,7 +42,9 @@ from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 PHASES = 5
-ROW_CHUNK = 48  # rows per claimed chunk: each claim moves a cache line between cores (16 rows: ~11 ms a token, 48: ~9-10)
+# rows per claimed chunk: each claim and each done count moves a cache line between the cores
+# (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
+ROW_CHUNK = 48
 # Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
 # at a barrier then reads a line the claiming thread does not write to on every claim.
 _LINE = 8  # int64s per cache line
