@@ -37,6 +37,7 @@ from .qlinear import (  # noqa: F401 (CpuQuantized*, _numpy_matvec: re-exported)
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("auto", "off")
+from chatapp.config import NUMERICS  # noqa: E402  (the one list of cpu.numerics values)
 KERNEL_MAX_TOKENS = 4  # packed-weight products up to this many tokens; dequantise + gemm above
 
 
@@ -154,6 +155,7 @@ def accelerate_model(
     kernel_min_elements: int = NUMPY_MIN_ELEMENTS,
     warm_up: bool = True,
     fused_decode: bool = True,
+    numerics: str = "exact",
 ) -> CpuPlan:
     """Give a quantised model's products the CPU fast path; a no-op on other backends.
 
@@ -167,7 +169,8 @@ def accelerate_model(
     kernels the plan uses now rather than in the first reply. fused_decode: a Llama-style model
     whose projections the kernels all support runs each single-token step as one native call
     (fused_decode.py); every supported projection then takes the kernel route, since
-    decode no longer pays a dispatch per small layer. dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
+    decode no longer pays a dispatch per small layer. numerics: "exact" or "fast" (the fused
+    step's 4-bit rows against int8-quantised activations, kernels/int8dot.py). dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
     memory); "off" never. dense_prefill_threshold: MLX-routed calls with more tokens than this
@@ -184,6 +187,8 @@ def accelerate_model(
         raise ValueError("dense_prefill_threshold must be >= 0")
     if kernel_max_tokens < 1:
         raise ValueError("kernel_max_tokens must be >= 1")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, not {numerics!r}")
     from chatapp.backend.blas import current_blas
 
     plan = CpuPlan(backend=backend, applied=False, reason="", dense_prefill_threshold=dense_prefill_threshold,
@@ -261,7 +266,7 @@ def accelerate_model(
     uninstall_fused_decode(model)
     if fuse is None and fused_decode and kernels_ok and dense_weights != "on":
         start = time.perf_counter()
-        plan.fused_decode = install_fused_decode(model, warm_up=warm_up)
+        plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics)
         plan.warm_up_seconds += time.perf_counter() - start
     else:
         plan.fused_decode = f"fused decode: off ({fuse or _fused_off_reason(fused_decode, kernels_ok)})"

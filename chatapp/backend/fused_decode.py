@@ -118,8 +118,10 @@ def _norm(m: nn.RMSNorm) -> np.ndarray:
 class FusedDecoder:
     """The per-layer weights as the kernel reads them, and the token step."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, numerics: str = "exact"):
         inner = _inner(model)
+        # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
+        self.fast = numerics == "fast"
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
@@ -230,7 +232,8 @@ class FusedDecoder:
         pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
-                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act)
+                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
+                         self.fast)
         k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
         for i, c in enumerate(caches):
             c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
@@ -277,14 +280,23 @@ def _fused_class(base: type) -> type:
     return cls
 
 
-def install_fused_decode(model: nn.Module, warm_up: bool = True) -> str:
+def numerics_line(numerics: str) -> str:
+    """How the fused step's 4-bit products are computed, for the plan and --show-config."""
+    if numerics != "fast":
+        return "numerics exact (float32 activations)"
+    from chatapp.kernels.int8dot import ISA, ISA_NAMES
+
+    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]})"
+
+
+def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
     """Fuse the model's single-token steps when its layers allow; returns a line for the plan.
     warm_up: run one step on a scratch cache now, so that compiling (or loading from numba's
     disk cache) the layer kernel does not land in the first reply."""
     why = fused_unsupported(model)
     if why:
         return f"fused decode: off ({why})"
-    dec = FusedDecoder(model)
+    dec = FusedDecoder(model, numerics)
     if warm_up:
         from cache import CacheSettings, PreallocKVCache
 
@@ -293,7 +305,8 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True) -> str:
     object.__setattr__(model, "_chatapp_fused", dec)
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))
-    return f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head"
+    return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
+            f"{numerics_line(numerics)}")
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:

@@ -38,6 +38,7 @@ from numba.extending import intrinsic
 
 from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
 from .llvm import as_f32, atomic_add
+from .int8dot import q4_rows4_dot_i8, quantise_blocks
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
@@ -83,8 +84,9 @@ def _barrier(ctl, phase, n):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum):  # pragma: no cover - jitted
-    """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums."""
+def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq):  # pragma: no cover - jitted
+    """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums;
+    when ``fast``, also its int8 blocks xq = (even, odd, lane scales)."""
     K = src.shape[0]
     if norm_w.shape[0]:
         ss = np.float32(0.0)
@@ -105,6 +107,8 @@ def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum):  # pragma: no cove
         for j in range(g * group_size, (g + 1) * group_size):
             acc += xn[j]
         xsum[g] = acc
+    if fast:
+        quantise_blocks(xn, xq[0][:half], xq[1][:half], xq[2][:K // 8])
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -121,15 +125,19 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add):  # pragma: no cover - jitted
+def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
-    4-bit rows four at a time (rows4.py), the rest one by one."""
+    4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``), the rest
+    one by one. xq = (even int8, odd int8, lane scales) of the input (used when fast)."""
     packed, scales, biases = w
     r = r_start
     tmp = np.empty(ROWS, np.float32)
     if bits == 4:
         while r + ROWS <= r_end:
-            q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
+            if fast:
+                q4_rows4_dot_i8(packed, r, xq[0], xq[1], xq[2], scales, group_size, tmp)
+            else:
+                q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
             for i in range(ROWS):
                 d = tmp[i]
                 for g in range(biases.shape[1]):
@@ -171,7 +179,7 @@ def _silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, attn, act):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, attn, act, fast=False):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -194,9 +202,10 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     no_norm = np.empty(0, np.float32)
     gbuf = np.empty(ROW_CHUNK, np.float32)
     ubuf = np.empty(ROW_CHUNK, np.float32)
+    xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32))
 
     # 1. q, k, v rows (one phase over their rows together)
-    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size])
+    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
     n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 0, n1)
@@ -208,7 +217,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                                           (nq + nk, nqkv, wv, bits[2], v_new, nq + nk)):
             s0, s1 = max(a, lo_), min(b, hi_)
             if s0 < s1:
-                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off], False)
+                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off], False, fast, xq)
         _done(ctl, 0)
     _barrier(ctl, 0, n1)
 
@@ -246,27 +255,27 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
-    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size])
+    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], fast, xq)
     n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 2, n3)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
-        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
         _done(ctl, 2)
     _barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
-    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size])
+    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
     n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 3, n4)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
-        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False)
-        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, fast, xq)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, fast, xq)
         for r in range(a, b):
             act[r] = _silu_mul(gbuf[r - a], ubuf[r - a])
         _done(ctl, 3)
@@ -274,14 +283,14 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
-             xsum[:hidden // group_size])
+             xsum[:hidden // group_size], fast, xq)
     n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 4, n5)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
-        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
         _done(ctl, 4)
     _barrier(ctl, 4, n5)
 
@@ -304,21 +313,22 @@ CTL_SIZE = 2 * _LINE * PHASES
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, attn, act):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, attn, act, fast=False):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
     w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
     kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
     capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
-    receive each layer's new V and roped K."""
+    receive each layer's new V and roped K. fast: 4-bit rows against int8 activations
+    (``cpu.numerics = fast``, int8dot.py)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer], v_cache, kv_stride[layer],
-                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act)
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast)
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
