@@ -19,6 +19,7 @@ BENCHES = {
     "resume": "chatapp.bench.resume_bench",
     "prefix": "chatapp.bench.prefix_bench",
     "distributed": "chatapp.bench.distributed_bench",
+    "numerics": "chatapp.bench.numerics_bench",
 }
 
 
