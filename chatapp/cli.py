@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             args.resume_id = _resume_target(args, config)
         blas = _preload_blas(config.cpu.blas)
         if args.distributed or _launched_distributed():
-            from .engine.distributed import run_distributed
+            from .distributed.job import run_distributed
 
             return run_distributed(args, config, blas)
         if args.no_tui or args.prompt is not None:
@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
 def describe_format(config) -> str:
     """The prompt format the model would get and why, from its files when they are on disk
     (nothing is loaded or downloaded)."""
-    from .engine.formatchoice import FormatRequest, RepoFacts, choose_format
-    from .engine.hub import local_model_path
+    from .prompt.choice import FormatRequest, RepoFacts, choose_format
+    from .model.hub import local_model_path
 
     request = FormatRequest.from_config(config)
     spec = config.model.id
@@ -194,7 +194,7 @@ def _print_cpu_backend(config) -> None:
 def _launched_distributed() -> bool:
     """True inside an `mlx.launch` job with more than one rank (read from its environment)."""
     try:
-        from .engine.distributed import launched
+        from .distributed.launch import launched
     except ImportError:
         return False
     return launched()
@@ -351,7 +351,7 @@ def run_no_tui(args, config, blas) -> int:
             return {"ok": 0, "cancelled": 130, "refused": 2}[result]
         from cache import CacheConfigError
 
-        from .engine.distributed import CommandError, apply_command, parse_line, validate_command
+        from .slash_commands import CommandError, apply_command, parse_line, validate_command
 
         first, refused = True, False
         for line in read_lines(sys.stdin.buffer):

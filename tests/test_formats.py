@@ -15,11 +15,11 @@ import pytest
 
 from chatapp.cli import main
 from chatapp.config import ConfigError, load_config
-from chatapp.engine.conversation import Conversation
-from chatapp.engine.formatchoice import FormatRequest, RepoFacts, choose_format, detect_format
-from chatapp.engine.formats import make_format
+from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.choice import FormatRequest, RepoFacts, choose_format, detect_format
+from chatapp.prompt.formats import make_format
 from chatapp.engine.generate import GenerationSettings, TokenEvent, run_turn
-from chatapp.engine.loader import load_model
+from chatapp.model.loader import load_model
 from chatapp.engine.session import Session
 from chatapp.engine.setup import SetupError, load_engine, session_from_config
 from tests.chat_folders import (

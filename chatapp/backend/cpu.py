@@ -295,7 +295,7 @@ def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool,
 
 def _activation_dtype(model: nn.Module):
     """The dtype most float parameters are in, leaving out those a CPU load keeps as stored."""
-    from chatapp.engine.device import kept_for_cpu_kernels
+    from chatapp.model.device import kept_for_cpu_kernels
 
     kept = kept_for_cpu_kernels(model)
     totals: dict = {}
@@ -326,7 +326,7 @@ def _match_scales_to_activations(layers: dict[str, nn.Module], kernel_layers: li
 def _cast_lookups(model: nn.Module, act) -> list[str]:
     """Lookup-only embedding tables left in another dtype by the loader cast the rows they
     return (CastingEmbedding) instead of being copied whole; returns their names."""
-    from chatapp.engine.device import lookup_only_embeddings
+    from chatapp.model.device import lookup_only_embeddings
 
     tables = {path.removesuffix(".weight") for path in lookup_only_embeddings(model)}
     swap = {name: CastingEmbedding(m, act) for name, m in model.named_modules()

@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
     from chatapp.backend.blas import current_blas
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     prompts = [int(p) for p in str(args.prompts).split(",") if p.strip()]
     if not prompts or min(prompts) < 1 or args.decode_tokens < 2:

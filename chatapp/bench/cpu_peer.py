@@ -60,7 +60,7 @@ def run_chatapp(spec: dict) -> dict:
     from chatapp.backend.cpu import apply_fast_path
     from chatapp.bench.cpu_bench import chatapp_prefill, greedy_decode
     from chatapp.config import CacheConfig
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(spec["model"], cast_scales=False)
@@ -123,7 +123,7 @@ def run_mlx_lm(spec: dict) -> dict:
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(spec["model"])

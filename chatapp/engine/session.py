@@ -28,8 +28,8 @@ from cache import (
 
 from chatapp.backend.qlinear import last_position_only
 
-from .conversation import Conversation
-from .formats import PromptFormat
+from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.formats import PromptFormat
 from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
 from .memory import memory_total, read_gauges
 from .prefix import PrefixSource, warm_start
@@ -76,9 +76,9 @@ class Session:
         self.requested_mode = mode
         self.long_after = long_after
         self.generation = generation or GenerationSettings()
-        # The prompt format (engine.formats); None: the tokenizer's template, else plain (raw: --raw).
+        # The prompt format (prompt.formats); None: the tokenizer's template, else plain (raw: --raw).
         self.format = prompt_format or PromptFormat.for_tokenizer(tokenizer, raw=raw)
-        self.format_choice = None  # engine.formatchoice.FormatChoice: which format and why, when chosen
+        self.format_choice = None  # prompt.choice.FormatChoice: which format and why, when chosen
         self.conversation = Conversation.start(system)
         self.notices: list[str] = []
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots

@@ -208,7 +208,7 @@ class EngineBridge:
     def _start_worker(self) -> None:
         self._post(EngineEvent(LoadProgress("import", "starting the engine (importing MLX)")))
         try:
-            from .engine import ChatWorker
+            from .chat_worker import ChatWorker
         except Exception as e:  # noqa: BLE001 - shown to the user as one line
             self._post(EngineEvent(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc())))
             return

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from chatapp.engine.modelfiles import ModelLoadError, one_line, read_config
+from chatapp.model.modelfiles import ModelLoadError, one_line, read_config
 
 __all__ = ["legacy_config_to_mlx", "legacy_weight_name", "load_legacy_model", "load_legacy_tokenizer"]
 
