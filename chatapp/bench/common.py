@@ -53,3 +53,12 @@ def fast_path(model, off: bool) -> str:
     from chatapp.model.device import pick_backend
 
     return apply_fast_path(model, backend=pick_backend().name).summary()
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load averages: the speeds here depend on what else the machine runs."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"

@@ -73,11 +73,11 @@ def run_chatapp(spec: dict) -> dict:
         return res
 
     # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
-    from chatapp.backend.qlinear import _Routed
+    from chatapp.backend.qlinear import is_routed
 
     res["weight_bytes_per_token"] = sum(
         m["weight"].nbytes + m["scales"].nbytes + m["biases"].nbytes
-        for _, m in model.named_modules() if isinstance(m, _Routed) and m.route == "kernel")
+        for _, m in model.named_modules() if is_routed(m) and m.route == "kernel")
 
     def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
         """Greedy tokens, prefill tok/s (prompt / time to the first token), token times."""

@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
+from cache.settings import CacheConfigError
 from chatapp.distributed.channel import (
     DEFAULT_TIMEOUT,
     OP_CMD,
@@ -76,6 +77,8 @@ from chatapp.distributed.channel import (
     peer_error,
 )
 from chatapp.distributed.shard import ShardError, ShardInfo, load_shard, precheck_heads
+from chatapp.errors import SetupError
+from chatapp.model.modelfiles import ModelLoadError
 from chatapp.slash_commands import (
     Command,
     CommandError,
@@ -232,9 +235,7 @@ class DistributedJob:
             self.session._cancel = SharedCancel(self.channel)
         except ShardError as e:
             error = str(e)
-        except Exception as e:
-            if type(e).__name__ not in ("SetupError", "ModelLoadError", "CacheConfigError"):
-                raise
+        except (SetupError, ModelLoadError, CacheConfigError) as e:
             error = str(e)
         lines = self.channel.gather_text(error)
         if not any(lines):

@@ -193,17 +193,16 @@ def load_shard(config, group, strategy: str | None):
         dtype_name,
         pick_backend,
     )
+    from chatapp.model.hub import resolve_model_path
     from chatapp.model.loader import (
         LoadedModel,
-        ModelLoadError,
         available_memory_bytes,
         estimate_weight_bytes,
-        find_weight_files,
         format_bytes,
         load_model,
-        resolve_model_path,
         weights_fingerprint,
     )
+    from chatapp.model.modelfiles import ModelLoadError, find_weight_files
 
     size = group.size()
     spec = config.model.id

@@ -33,39 +33,18 @@ from chatapp.model.device import (
     cast_floating,
     checkpoint_float_dtype,
     dtype_name,
-    kept_for_cpu_kernels,
     pick_backend,
 )
-from chatapp.model.hub import ALLOW_PATTERNS, DownloadProgress, progress_tqdm_class, resolve_model_path
-from chatapp.model.legacy import legacy_config_to_mlx, legacy_weight_name, load_legacy_model, load_legacy_tokenizer
+from chatapp.backend.params import kept_for_cpu_kernels
+from chatapp.model.hub import DownloadProgress, resolve_model_path
+from chatapp.model.legacy import load_legacy_model, load_legacy_tokenizer
 from chatapp.model.modelconfig import config_value
 from chatapp.model.modelfiles import (
     ModelLoadError,
     check_files,
-    find_weight_files,
-    is_legacy_dir,
     one_line,
     read_config,
 )
-
-__all__ = [
-    "ALLOW_PATTERNS",
-    "DownloadProgress",
-    "LoadedModel",
-    "ModelLoadError",
-    "available_memory_bytes",
-    "estimate_weight_bytes",
-    "find_weight_files",
-    "format_bytes",
-    "is_legacy_dir",
-    "legacy_config_to_mlx",
-    "legacy_weight_name",
-    "load_model",
-    "progress_tqdm_class",
-    "resolve_model_path",
-    "save_model_dir",
-    "weights_fingerprint",
-]
 
 # Files save_model_dir copies next to the weights.
 _TOKENIZER_COPY = (
