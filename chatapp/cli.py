@@ -89,11 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("output")
     o.add_argument("--stats-json", metavar="FILE", help="append one JSON object per turn with every statistic")
     o.add_argument("--verbose", "-v", action="store_true", help="a short statistics line per turn on stderr")
-    o.add_argument("--show-config", action="store_true", help="print the effective configuration and where each value came from")
+    o.add_argument("--show-config", action="store_true",
+                   help="print the effective configuration and where each value came from")
     x = p.add_argument_group("CPU backend")
     x.add_argument("--blas", help="auto, off, or a path to a BLAS library exporting cblas_*")
     x.add_argument("--dense-weights", choices=["auto", "on", "off"])
-    x.add_argument("--kernels", choices=["auto", "off"], help="chatapp's CPU kernels on the packed weights (default auto)")
+    x.add_argument("--kernels", choices=["auto", "off"],
+                   help="chatapp's CPU kernels on the packed weights (default auto)")
     x.add_argument("--threads", type=int, help="kernel threads (0: one per core)")
     p.add_argument("--data-dir", help="where conversations and snapshots are stored")
     p.add_argument("--resume", nargs="?", const="latest", metavar="ID",

@@ -32,7 +32,7 @@ from chatapp.prompt.conversation import Conversation
 from chatapp.prompt.formats import PromptFormat
 from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
 from .memory import memory_total, read_gauges
-from .prefix import PrefixSource, warm_start
+from .prefix import PrefixSource, common_prefix, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
 AUTO = "auto"
@@ -236,7 +236,7 @@ class Session:
 
     def _reuse(self, prompt: list[int]) -> int:
         """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
-        common = self._common_prefix(prompt)
+        common = common_prefix(self.cached, prompt)
         if common == len(prompt):
             common -= 1  # the last prompt token must run again to give the next token's logits
         evicted = self.caches[0].evicted
@@ -405,18 +405,10 @@ class Session:
             if rendering in tried:
                 continue
             tried.add(rendering)
-            common = self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
+            common = common_prefix(self.cached, self.format.tokens(self.conversation, generation_prompt=False))
             if common > best_common:
                 best, best_common = candidate, common
         msg.raw = best
-
-    def _common_prefix(self, tokens: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
 
     # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
     def cache_consistent(self) -> bool:

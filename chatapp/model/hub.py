@@ -20,7 +20,8 @@ from tqdm.std import tqdm as _std_tqdm
 
 from chatapp.model.modelfiles import ModelLoadError, folder_complete, one_line
 
-__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "close_repo_names", "local_model_path", "progress_tqdm_class", "resolve_model_path"]
+__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "close_repo_names", "local_model_path", "progress_tqdm_class",
+           "resolve_model_path"]
 
 # What a model download fetches: config, weights (mlx-lm safetensors or legacy npz) and every
 # kind of tokenizer file. Custom *.py model code is fetched but never run (trust_remote_code

@@ -153,7 +153,8 @@ def load_legacy_model(path: Path, files: list[Path], where: str) -> tuple[nn.Mod
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
-        raise ModelLoadError(f"{where}: legacy weights do not fit the model its config describes: {one_line(err)}") from err
+        raise ModelLoadError(
+            f"{where}: legacy weights do not fit the model its config describes: {one_line(err)}") from err
     return model, config
 
 

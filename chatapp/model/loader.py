@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from chatapp.backend.params import kept_for_cpu_kernels
 from chatapp.model.device import (
     DTYPES,
     cast_floating,
@@ -35,7 +36,6 @@ from chatapp.model.device import (
     dtype_name,
     pick_backend,
 )
-from chatapp.backend.params import kept_for_cpu_kernels
 from chatapp.model.hub import DownloadProgress, resolve_model_path
 from chatapp.model.legacy import load_legacy_model, load_legacy_tokenizer
 from chatapp.model.modelconfig import config_value
