@@ -30,7 +30,7 @@ def run_no_tui(args, config, blas) -> int:
     130 after Ctrl-C (a Ctrl-C during a reply only stops that reply when reading stdin);
     143 after SIGTERM (the reply stops, is saved as interrupted, the snapshot is written).
     """
-    from .engine.generate import TokenEvent, TurnDone
+    from .engine.events import TokenEvent, TurnDone
     from .store import read_lines, resolve_data_dir
     from .store.chat import ModelIdentity, open_chat
     from .textsafe import printable

@@ -135,7 +135,7 @@ _OVERRIDES = {"--model": "model.id", "--temp": "sampling.temp", "--max-tokens": 
 def single_process(flags: list[str], lines: list[str], env: dict, monkeypatch):
     """The single-process run of ``lines``: (replies, per-turn stats, session)."""
     from chatapp.config import load_config
-    from chatapp.engine.generate import TokenEvent, TurnDone
+    from chatapp.engine.events import TokenEvent, TurnDone
     from chatapp.engine.setup import load_engine, session_from_config
 
     monkeypatch.setenv("CHATAPP_CONFIG_DIR", env["CHATAPP_CONFIG_DIR"])

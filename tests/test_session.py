@@ -7,7 +7,8 @@ import pytest
 from cache import CacheSettings
 from chatapp.prompt.conversation import Conversation
 from chatapp.prompt.formats import PromptFormat
-from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone, run_turn
+from chatapp.engine.generate import GenerationSettings, StopMatcher, run_turn
+from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.session import Session, compare_modes
 
 GREEDY = GenerationSettings(temp=0.0, max_tokens=24)

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.generate import GenerationSettings, TokenEvent, TurnDone, run_turn
+from chatapp.engine.generate import GenerationSettings, run_turn
+from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.session import Session
 from chatapp.store import ChatStore
 from chatapp.store.chat import PARTIAL_TOKENS, ModelIdentity, PersistentChat, open_chat

@@ -193,7 +193,8 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: b
     import mlx.core as mx
 
     from cache import make_caches
-    from chatapp.engine.generate import GenerationSettings, TurnDone
+    from chatapp.engine.generate import GenerationSettings
+    from chatapp.engine.events import TurnDone
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
 

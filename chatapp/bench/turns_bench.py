@@ -122,7 +122,7 @@ def fast_path(model, args) -> str:
 
 def _finish(events, stop_after_first=None) -> tuple[Any, int | None]:
     """Run a reply to the end (or cancel ``stop_after_first`` once it has a token); (TurnDone, first token id)."""
-    from chatapp.engine.generate import TokenEvent, TurnDone
+    from chatapp.engine.events import TokenEvent, TurnDone
 
     done, first = None, None
     for ev in events:

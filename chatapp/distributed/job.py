@@ -267,7 +267,7 @@ class DistributedJob:
 
     def execute(self, cmd: Command, seed: int | None) -> tuple[Any, RankState]:
         """Run one command on this rank; returns (what rank 0 shows, the synced state)."""
-        from chatapp.engine.generate import TokenEvent, TurnDone
+        from chatapp.engine.events import TokenEvent, TurnDone
 
         s = self.session
         shown = None
@@ -290,9 +290,7 @@ class DistributedJob:
         else:
             try:
                 shown = apply_command(s, cmd)
-            except Exception as e:  # validated on rank 0 first; every rank fails the same way
-                if type(e).__name__ != "CacheConfigError":
-                    raise
+            except CacheConfigError as e:  # validated on rank 0 first; every rank fails the same way
                 shown = e
         return shown, self._sync()
 
@@ -322,7 +320,7 @@ class DistributedJob:
             self.execute(Command.from_json(msg["cmd"]), msg.get("seed"))
 
     def lead(self) -> int:
-        from chatapp.engine.generate import TurnDone
+        from chatapp.engine.events import TurnDone
         from chatapp.textsafe import printable
 
         args = self.args

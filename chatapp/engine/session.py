@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import mlx.core as mx
@@ -30,7 +29,8 @@ from chatapp.backend.qlinear import last_position_only
 
 from chatapp.prompt.conversation import Conversation
 from chatapp.prompt.formats import PromptFormat
-from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
+from .generate import GenerationSettings, StopMatcher
+from .events import CompareRow, PrefillProgress, SwitchReport, TokenEvent, TurnDone
 from .memory import memory_total, read_gauges
 from .prefix import PrefixSource, common_prefix, warm_start
 from .stats import CacheView, StepStat, TurnStats
@@ -38,21 +38,6 @@ from .stats import CacheView, StepStat, TurnStats
 AUTO = "auto"
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
 LIVE_VIEW_EVERY = 8  # tokens between cache measurements while a reply streams
-
-
-@dataclass
-class SwitchReport:
-    mode: str
-    action: str  # "converted", "reprefilled", "unchanged"
-    reason: str
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-
-    def line(self) -> str:
-        verb = {"converted": "converted the live cache", "reprefilled": "re-prefilled the conversation",
-                "unchanged": "nothing to do"}[self.action]
-        extra = f"; {'; '.join(self.notes)}" if self.notes else ""
-        return f"cache mode {self.mode}: {verb} in {self.seconds * 1000:.0f} ms ({self.reason}){extra}"
 
 
 class Session:
@@ -470,19 +455,6 @@ class Session:
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
         )
-
-
-@dataclass
-class CompareRow:
-    mode: str
-    context: int  # tokens in the cache when the last turn started
-    prompt_tokens: int
-    ttft: float
-    prefill_tps: float
-    decode_tps: float
-    generated: int
-    reply: str
-    error: str = ""
 
 
 def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> Iterator[CompareRow]:

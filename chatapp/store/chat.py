@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from chatapp.prompt.conversation import Conversation, Message
-from chatapp.engine.generate import TokenEvent, TurnDone
+from chatapp.engine.events import TokenEvent, TurnDone
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy
