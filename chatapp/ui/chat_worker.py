@@ -10,9 +10,8 @@ and the chat is closed (snapshot saved, store unlocked) when the worker stops.
 
 from __future__ import annotations
 
-from chatapp.engine.worker import EngineWorker
-
 from chatapp.engine.events import Failed
+from chatapp.engine.worker import EngineWorker
 
 
 class ChatWorker(EngineWorker):
