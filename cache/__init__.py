@@ -1,26 +1,38 @@
 """KV cache library for mlx-lm models: pure MLX, no UI, no I/O.
 
 One cache object per layer speaking mlx-lm's cache protocol, in five modes (see settings.py).
+
+The names below load lazily (PEP 562): ``import cache.settings`` (the modes and the cache rules,
+``CacheSettings.validate``) loads no MLX, so config, UI and CLI can use the one copy of the rules
+before the BLAS preload; the first use of a cache class or of the attention patch loads MLX.
 """
 
-from .attention import install_attention, set_decode_kernels, set_prefill_kernel
-from .convert import Conversion, convert_caches
-from .factory import ModelGeometry, check_settings, make_caches, model_geometry
-from .kv import (
-    CACHE_CLASSES,
-    ConcatKVCache,
-    PreallocKVCache,
-    QuantizedKVCache,
-    SegmentedKVCache,
-    WindowKVCache,
-    WindowQuantKVCache,
-)
-from .settings import MODES, CacheConfigError, CacheSettings
-from .usage import CacheUsage, total_usage
+from __future__ import annotations
 
-__all__ = [
-    "CACHE_CLASSES", "MODES", "CacheConfigError", "CacheSettings", "CacheUsage", "ConcatKVCache",
-    "Conversion", "ModelGeometry", "PreallocKVCache", "QuantizedKVCache", "SegmentedKVCache",
-    "WindowKVCache", "WindowQuantKVCache", "check_settings", "convert_caches", "install_attention",
-    "make_caches", "model_geometry", "set_decode_kernels", "set_prefill_kernel", "total_usage",
-]
+import importlib
+
+# name -> the submodule that defines it
+_WHERE = {
+    "install_attention": "attention", "set_decode_kernels": "attention", "set_prefill_kernel": "attention",
+    "Conversion": "convert", "convert_caches": "convert",
+    "ModelGeometry": "factory", "check_settings": "factory", "make_caches": "factory", "model_geometry": "factory",
+    "CACHE_CLASSES": "kv", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantizedKVCache": "kv",
+    "SegmentedKVCache": "kv", "WindowKVCache": "kv", "WindowQuantKVCache": "kv",
+    "MODES": "settings", "CacheConfigError": "settings", "CacheSettings": "settings",
+    "CacheUsage": "usage", "total_usage": "usage",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -71,7 +71,7 @@ CONFIG_FILE_NAME = "config.toml"
 # cpu.numerics: the fused decode step's 4-bit products (backend/cpu.py validates against this too)
 NUMERICS = ("exact", "fast")
 CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant")
-# The prompt formats ("auto" plus engine.formats.FORMAT_NAMES).
+# The prompt formats ("auto" plus prompt.formats.FORMAT_NAMES).
 CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
 
 SOURCE_DEFAULT = "default"

@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from chatapp.model.synthetic import LlamaShape, build_random_llama
 from tests.conftest import SHARED_MODELS
 
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16,
@@ -88,7 +88,7 @@ def chatml_folder(dest: Path, script: dict[int, int]) -> Path:
     and 32001, as ChatML fine-tunes of Llama and Mistral add them), with no chat template."""
     from transformers import LlamaTokenizer
 
-    from chatapp.engine.loader import save_model_dir
+    from chatapp.model.loader import save_model_dir
 
     src = dest.parent / f"{dest.name}-tokenizer"
     src.mkdir(parents=True)

@@ -33,7 +33,7 @@ def shared_model(name: str) -> Path:
 def tiny_llama(layers: int = 2, head_dim: int = 64, kv_heads: int = 2, heads: int = 8, max_pos: int = 4096,
                seed: int = 0, quantize_bits: int | None = None):
     """A random-weight mlx-lm Llama with GQA; cached because tests only read it."""
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     shape = LlamaShape(
         hidden_size=heads * head_dim // 2, num_hidden_layers=layers, num_attention_heads=heads,

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten, tree_map
 from chatapp.backend import blas, cpu, qlinear
 from chatapp.backend.blas import BlasInfo, preload_blas, verify_blas
 from chatapp.backend.cpu import CpuQuantizedEmbedding, CpuQuantizedLinear, accelerate_model
-from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from chatapp.model.synthetic import LlamaShape, build_random_llama
 from tests.conftest import REPO, SHARED_MODELS
 
 SHARED_4BIT = str(SHARED_MODELS / "stories260K-4bit")
@@ -447,7 +447,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from chatapp.backend.cpu import accelerate_model
-from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from chatapp.model.synthetic import LlamaShape, build_random_llama
 
 def greedy(model, prompt, n):
     cache = make_prompt_cache(model)

@@ -38,7 +38,7 @@ def test_q4_0_bytes_hold_the_same_weights():
 
 
 def test_legacy_folder_loads_through_chatapp(tmp_path, llama2_tokenizer):
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     folder = write_llama2_7b(tmp_path / "m", llama2_tokenizer, SMALL)
     lm = load_model(str(folder), cast_scales=False)

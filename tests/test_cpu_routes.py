@@ -14,9 +14,10 @@ from cache import CacheSettings, set_decode_kernels  # noqa: E402
 from cache.attention import decode_kernels  # noqa: E402
 from chatapp.backend import cpu, decode_attention  # noqa: E402
 from chatapp.backend.cpu import CpuQuantizedLinear, accelerate_model, apply_fast_path  # noqa: E402
-from chatapp.engine.generate import GenerationSettings, TokenEvent  # noqa: E402
+from chatapp.engine.generate import GenerationSettings  # noqa: E402
+from chatapp.engine.events import TokenEvent
 from chatapp.engine.session import Session  # noqa: E402
-from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer  # noqa: E402
+from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer  # noqa: E402
 from tests.test_backend_cpu import greedy  # noqa: E402 (mlx-lm's KVCache, argmax each step)
 
 SHAPE = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -237,7 +238,7 @@ def test_lookup_only_embedding_stays_float16_and_rows_are_cast(tmp_path):
     """load_model(cast_scales=False) + accelerate: an untied model's float16 embedding table
     stays float16 (half the memory), its rows come out float32, logits equal the all-float32
     load's."""
-    from chatapp.engine.loader import load_model, save_model_dir
+    from chatapp.model.loader import load_model, save_model_dir
     from tests.conftest import shared_model
 
     tokenizer_dir = shared_model("stories260K")

@@ -24,17 +24,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from chatapp.engine import distributed as dist
-from chatapp.engine.distributed import (
-    Command,
-    CommandError,
-    ShardError,
-    Watchdog,
-    check_shardable,
-    launched,
-    parse_line,
-    world_from_env,
-)
+from chatapp import slash_commands
+from chatapp.distributed import channel as dist_channel
+from chatapp.distributed import shard as dist_shard
+from chatapp.distributed import job as dist_job
+from chatapp.distributed.channel import Watchdog
+from chatapp.distributed.launch import launched, world_from_env
+from chatapp.distributed.shard import ShardError, check_shardable
+from chatapp.slash_commands import Command, CommandError, parse_line
 
 REPO = Path(__file__).resolve().parent.parent
 LINES = ["Once upon a time", "The cat", "Then"]
@@ -93,8 +90,8 @@ def models(tmp_path_factory):
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen2
 
-    from chatapp.engine.loader import save_model_dir
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.loader import save_model_dir
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     root = tmp_path_factory.mktemp("models")
     out = {"stories": stories}
@@ -138,7 +135,7 @@ _OVERRIDES = {"--model": "model.id", "--temp": "sampling.temp", "--max-tokens": 
 def single_process(flags: list[str], lines: list[str], env: dict, monkeypatch):
     """The single-process run of ``lines``: (replies, per-turn stats, session)."""
     from chatapp.config import load_config
-    from chatapp.engine.generate import TokenEvent, TurnDone
+    from chatapp.engine.events import TokenEvent, TurnDone
     from chatapp.engine.setup import load_engine, session_from_config
 
     monkeypatch.setenv("CHATAPP_CONFIG_DIR", env["CHATAPP_CONFIG_DIR"])
@@ -160,8 +157,8 @@ def single_process(flags: list[str], lines: list[str], env: dict, monkeypatch):
                     stats.append(ev.stats)
             replies.append(text)
         else:
-            dist.validate_command(session, cmd)
-            dist.apply_command(session, cmd)
+            slash_commands.validate_command(session, cmd)
+            slash_commands.apply_command(session, cmd)
     return replies, stats, session
 
 
@@ -323,7 +320,7 @@ def test_kv4_window_matches_single_process_then_a_hung_rank_is_caught(models, en
     replies, ref_stats, _ = single_process(flags, [*LINES, "/set max_tokens=200", "Tell me more"], env, monkeypatch)
     assert ref_stats[3].finish == "length"  # the fourth reply runs long
     stats = tmp_path / "stats.jsonl"
-    job = Job([*flags, "--stats-json", str(stats)], env, {dist.TIMEOUT_ENV: "4"})  # short, with room for load
+    job = Job([*flags, "--stats-json", str(stats)], env, {dist_channel.TIMEOUT_ENV: "4"})  # short, with room for load
     job.send([*LINES, "/set max_tokens=3000", "Tell me more"])
     three = expected_stdout(replies[:3])
     job.wait_for(lambda: job.stdout.startswith(three + "\n") and len(job.stdout) > len(three) + 3,
@@ -336,7 +333,7 @@ def test_kv4_window_matches_single_process_then_a_hung_rank_is_caught(models, en
         os.kill(pid1, signal.SIGKILL)  # a stopped process cannot take mlx.launch's SIGTERM
     job.finish(30)
     _check_matrix_run(job, stats, replies, ref_stats, "window")
-    assert job.exit_codes()[0] == dist.EXIT_PEER_LOST
+    assert job.exit_codes()[0] == dist_job.EXIT_PEER_LOST
     # Search the whole of stderr: mlx.launch relays each rank's stderr on its own thread, so
     # under load another rank's output can land on the same line as rank 0's message.
     found = re.search(r"distributed run stopped during turn 4: no progress for \d+ s in send[^\n]*", job.stderr)
@@ -425,7 +422,7 @@ def test_killing_a_rank_mid_reply_stops_cleanly(models, env, tmp_path, monkeypat
     job.finish(30)
     codes = job.exit_codes()
     assert codes.get(1) == -9
-    assert codes.get(0) in (dist.EXIT_PEER_LOST, 128 + signal.SIGTERM), job.stderr  # an exit, not a kill
+    assert codes.get(0) in (dist_job.EXIT_PEER_LOST, 128 + signal.SIGTERM), job.stderr  # an exit, not a kill
     errors = job.chat_errors()
     assert len(errors) == 1, job.stderr
     assert errors[0].startswith("chatapp: error: distributed run stopped during turn 2: ")
@@ -467,7 +464,7 @@ def test_launched_reads_what_mlx_launch_sets(tmp_path):
 
 
 def test_distributed_module_imports_no_mlx():
-    code = ("import sys; import chatapp.engine.distributed as d; d.launched(); "
+    code = ("import sys; import chatapp.distributed.job, chatapp.distributed.launch as d; d.launched(); "
             "print('mlx' in sys.modules, 'mlx.core' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr
@@ -501,15 +498,15 @@ def test_commands_apply_to_a_session(stories):
     model, tok = stories
     s = Session(model, tok, cache_settings=CacheSettings(), mode="prealloc", generation=GenerationSettings(temp=0))
     with pytest.raises(CommandError, match="head_dim .8. is not a multiple of kv_group_size"):
-        dist.validate_command(s, parse_line("/mode window-quant"))
+        slash_commands.validate_command(s, parse_line("/mode window-quant"))
     with pytest.raises(CommandError, match="window: must be >= sinks"):
-        dist.validate_command(s, parse_line("/mode window window=2 sinks=4"))
+        slash_commands.validate_command(s, parse_line("/mode window window=2 sinks=4"))
     assert s.mode == "prealloc"  # refused before anything changed
     cmd = parse_line("/mode window window=32 sinks=4 evict_chunk=8")
-    dist.validate_command(s, cmd)
-    assert dist.apply_command(s, cmd).startswith("cache mode window: ")
+    slash_commands.validate_command(s, cmd)
+    assert slash_commands.apply_command(s, cmd).startswith("cache mode window: ")
     assert s.mode == "window" and s.settings.window == 32
-    assert dist.apply_command(s, parse_line("/set temp=0.3 seed=-1 max_tokens=7")) == \
+    assert slash_commands.apply_command(s, parse_line("/set temp=0.3 seed=-1 max_tokens=7")) == \
         "sampling: temp=0.3, seed=-1, max_tokens=7"
     assert (s.generation.temp, s.generation.seed, s.generation.max_tokens) == (0.3, None, 7)
 
@@ -531,12 +528,12 @@ def test_shardability_checks(models):
     check_shardable(qwen, qwen_config, 2, "pipeline", "qwen")
     with pytest.raises(ShardError, match="it has only 4 layers"):
         check_shardable(qwen, qwen_config, 5, "pipeline", "qwen")
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     odd, _ = build_random_llama(LlamaShape(intermediate_size=255))  # heads divide, the MLP does not
     with pytest.raises(ShardError, match=r"^cannot shard odd over 2 ranks \(tensor\): Cannot shard the output of "
                                          r"size 255 across 2 devices"):
-        dist._apply_shard(odd, _Group(0, 2), "tensor", "odd")
+        dist_shard._apply_shard(odd, _Group(0, 2), "tensor", "odd")
     no_shard = SimpleNamespace()
     with pytest.raises(ShardError, match="has no shard\\(\\); it cannot be pipelined either"):
         check_shardable(no_shard, {"model_type": "toy"}, 2, "tensor", "toy")
@@ -571,7 +568,7 @@ def test_watchdog_fires_only_while_busy_and_stalled():
 
 def test_distributed_flag_without_a_job_is_a_clear_error(capsys):
     args = SimpleNamespace(distributed="tensor", prompt="hi", no_tui=True)
-    assert dist.run_distributed(args, None, None) == 2
+    assert dist_job.run_distributed(args, None, None) == 2
     err = capsys.readouterr().err
     assert err.startswith("chatapp: error: --distributed needs a job of 2 or more ranks; start it with mlx.launch")
     assert err.count("\n") == 1
@@ -628,7 +625,7 @@ def test_load_shard_splits_heads_and_keeps_the_dtype(models, tmp_path, monkeypat
     import mlx.core as mx
 
     from chatapp.config import load_config
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
     from tests.test_loader import make_legacy_stories
 
     monkeypatch.setenv("CHATAPP_CONFIG_DIR", str(tmp_path / "cfg"))
@@ -637,7 +634,7 @@ def test_load_shard_splits_heads_and_keeps_the_dtype(models, tmp_path, monkeypat
     full = load_model(str(path)).model.layers[0].self_attn
     halves = []
     for rank in (0, 1):
-        loaded, info = dist.load_shard(config, _Group(rank, 2), None)
+        loaded, info = dist_shard.load_shard(config, _Group(rank, 2), None)
         assert (info.strategy, info.n_heads, info.n_kv_heads, info.local_kv_heads) == ("tensor", 8, 4, 2)
         assert loaded.format == kind and loaded.dtype == "float32" and loaded.n_kv_heads == 2
         attn = loaded.model.layers[0].self_attn
@@ -653,11 +650,11 @@ def test_load_shard_pipeline_keeps_its_layers(models, tmp_path, monkeypatch):
 
     monkeypatch.setenv("CHATAPP_CONFIG_DIR", str(tmp_path / "cfg"))
     config = load_config(None, {"model.id": str(models["qwen"])})
-    loaded, info = dist.load_shard(config, _Group(1, 2), "pipeline")
+    loaded, info = dist_shard.load_shard(config, _Group(1, 2), "pipeline")
     assert (info.strategy, info.local_layers, info.local_kv_heads) == ("pipeline", 2, 4)
     assert loaded.model.inner.model.start_idx == 0 and loaded.model.inner.model.end_idx == 2  # rank 1: first layers
     with pytest.raises(ShardError, match="not llama; use --distributed tensor"):
-        dist.load_shard(load_config(None, {"model.id": str(models["kv4"])}), _Group(0, 2), "pipeline")
+        dist_shard.load_shard(load_config(None, {"model.id": str(models["kv4"])}), _Group(0, 2), "pipeline")
 
 
 class _Exit(Exception):
@@ -676,7 +673,7 @@ class _FakeChannel:
 
     def message(self, op=0, payload=b""):
         self.sent.append(op)
-        return dist.OP_CMD, json.dumps(self.hello).encode()
+        return dist_channel.OP_CMD, json.dumps(self.hello).encode()
 
     def send_json(self, op, obj):
         self.sent.append(op)
@@ -695,11 +692,11 @@ def _job(stories_path, tmp_path, monkeypatch, rank=0, channel=None):
     config = load_config(None, {"model.id": str(stories_path), "sampling.temp": 0, "sampling.max_tokens": 4})
     args = SimpleNamespace(prompt=None, no_tui=True, distributed=None, verbose=True, stats_json=None)
     out, err = io.StringIO(), io.StringIO()
-    job = dist.DistributedJob(args, config, None, _Group(rank, 2), out=out, err=err)
+    job = dist_job.DistributedJob(args, config, None, _Group(rank, 2), out=out, err=err)
     job.channel = channel or _FakeChannel()
     job.session = session_from_config(config, load_engine(config))
-    job.session._cancel = dist.SharedCancel(job.channel)
-    job.info = dist.ShardInfo("tensor", rank, 2, 8, 4, 2, 5)
+    job.session._cancel = dist_channel.SharedCancel(job.channel)
+    job.info = dist_shard.ShardInfo("tensor", rank, 2, 8, 4, 2, 5)
 
     def stop(code):
         raise _Exit(code)
@@ -718,11 +715,11 @@ def test_job_reports_per_rank_bytes_and_stops_on_divergence(stories_path, tmp_pa
                                             f"{dist_fmt(2 * held)}")
     # the other rank holds other tokens: every rank stops, rank 0 says what it kept
     job.channel.other_row = [len(job.session.cached) + 1, 0, 0, 0, 0, 0, 0]
-    with pytest.raises(dist.DistributedError, match=r"the ranks diverged \(cached differs"):
+    with pytest.raises(dist_channel.DistributedError, match=r"the ranks diverged \(cached differs"):
         job._sync()
     with pytest.raises(_Exit) as stop:
         job.abort("the ranks diverged")
-    assert stop.value.args == (dist.EXIT_PEER_LOST,)
+    assert stop.value.args == (dist_job.EXIT_PEER_LOST,)
     assert err.getvalue().splitlines()[-1] == (
         "chatapp: error: distributed run stopped during turn 1: the ranks diverged; kept the conversation up to "
         "the last complete message (2 messages, 1 complete reply, all printed above)")
@@ -749,12 +746,12 @@ def test_job_signals(stories_path, tmp_path, monkeypatch):
 
 def test_follower_refuses_another_protocol(stories_path, tmp_path, monkeypatch):
     job, out, err = _job(stories_path, tmp_path, monkeypatch, rank=1,
-                         channel=_FakeChannel(hello={"protocol": dist.PROTOCOL + 1}))
+                         channel=_FakeChannel(hello={"protocol": dist_channel.PROTOCOL + 1}))
     with pytest.raises(_Exit) as stop:
         job.start()
     assert stop.value.args == (2,)
     assert err.getvalue().strip() == (
-        f"chatapp[rank 1]: error: stopping: rank 0 speaks protocol {dist.PROTOCOL + 1}, this rank {dist.PROTOCOL}: "
+        f"chatapp[rank 1]: error: stopping: rank 0 speaks protocol {dist_channel.PROTOCOL + 1}, this rank {dist_channel.PROTOCOL}: "
         "run the same chatapp version on every host")
     assert out.getvalue() == ""
 
@@ -766,7 +763,7 @@ def test_followers_take_rank_0_settings_but_keep_their_cpu_section(tmp_path, mon
     rank0 = load_config(None, {"cache.window": 77, "sampling.temp": 0.25, "cpu.blas": "off"})
     local = load_config(None, {"cache.window": 5, "cpu.blas": "auto"})
     sent = json.loads(json.dumps({k: v for k, v in rank0.to_dict().items() if k != "cpu"}))
-    got = dist._config_from(sent, local)
+    got = dist_job._config_from(sent, local)
     assert got.cache == rank0.cache and got.sampling == rank0.sampling and got.model == rank0.model
     assert got.cpu == local.cpu
 
@@ -790,7 +787,7 @@ def test_lead_loop_in_process(stories_path, tmp_path, monkeypatch):
     job.args.prompt, job.args.verbose = "/mode window", False
     assert job.lead() == 0
     assert out.getvalue() == expected_stdout(as_text)
-    assert job.channel.sent == [dist.OP_CMD, dist.OP_QUIT]
+    assert job.channel.sent == [dist_channel.OP_CMD, dist_channel.OP_QUIT]
     # stdin: blank lines skipped, a bad command refused without stopping, /quit ends
     job, out, err = _job(stories_path, tmp_path, monkeypatch)
     job.args.verbose = False
@@ -802,7 +799,7 @@ def test_lead_loop_in_process(stories_path, tmp_path, monkeypatch):
         "window-quant)",
         "chatapp: sampling: max_tokens=4",
     ]
-    assert job.channel.sent == [dist.OP_CMD] * 3 + [dist.OP_QUIT]
+    assert job.channel.sent == [dist_channel.OP_CMD] * 3 + [dist_channel.OP_QUIT]
 
 
 def test_empty_prompt_is_refused_on_every_rank(stories_path, tmp_path, monkeypatch):
@@ -811,6 +808,6 @@ def test_empty_prompt_is_refused_on_every_rank(stories_path, tmp_path, monkeypat
     assert job.start() == 2
     assert err.getvalue() == "chatapp: error: the prompt is empty\n"
     job, out, err = _job(stories_path, tmp_path, monkeypatch, rank=1,
-                         channel=_FakeChannel(hello={"protocol": dist.PROTOCOL, "error": "the prompt is empty"}))
+                         channel=_FakeChannel(hello={"protocol": dist_channel.PROTOCOL, "error": "the prompt is empty"}))
     assert job.start() == 2
     assert err.getvalue() == ""

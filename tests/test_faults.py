@@ -285,8 +285,8 @@ def test_message_longer_than_the_context(stories_path, tmp_path):
 def byte_model(tmp_path_factory):
     """A random-weight Llama with a byte-level tokenizer, saved as a model folder: its replies
     are arbitrary bytes (control characters, escape sequences, invalid UTF-8)."""
-    from chatapp.engine.loader import save_model_dir
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+    from chatapp.model.loader import save_model_dir
+    from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
     root = tmp_path_factory.mktemp("byte-model")
     byte_tokenizer()._tokenizer.save_pretrained(root / "tok")

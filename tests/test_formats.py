@@ -15,13 +15,15 @@ import pytest
 
 from chatapp.cli import main
 from chatapp.config import ConfigError, load_config
-from chatapp.engine.conversation import Conversation
-from chatapp.engine.formatchoice import FormatRequest, RepoFacts, choose_format, detect_format
-from chatapp.engine.formats import make_format
-from chatapp.engine.generate import GenerationSettings, TokenEvent, run_turn
-from chatapp.engine.loader import load_model
+from chatapp.engine.generate import GenerationSettings, run_turn
+from chatapp.engine.events import TokenEvent
 from chatapp.engine.session import Session
-from chatapp.engine.setup import SetupError, load_engine, session_from_config
+from chatapp.engine.setup import load_engine, session_from_config
+from chatapp.errors import SetupError
+from chatapp.model.loader import load_model
+from chatapp.prompt.choice import FormatRequest, RepoFacts, choose_format, detect_format
+from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.formats import make_format
 from tests.chat_folders import (
     EOS,
     IM_END,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from cache import CacheSettings, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder, fused_unsupported, is_fused  # noqa: E402
-from chatapp.engine.synthetic import LlamaShape, build_random_llama  # noqa: E402
+from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
 
 # SmolLM2-135M's layer geometry (576 wide, 9 heads of 64 over 3 KV heads, MLP 1536), 2 layers
 SMOL = LlamaShape(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
@@ -138,7 +138,7 @@ def test_trim_then_decode_again_equals_mlx():
 
 @pytest.mark.parametrize("backend", ["metal", "cuda"])
 def test_never_installed_off_the_cpu(backend, monkeypatch):
-    import chatapp.engine.device as device
+    import chatapp.model.device as device
 
     fast = _model()
     monkeypatch.setattr(device, "pick_backend", lambda *a, **k: type("B", (), {"name": backend})(), raising=False)
@@ -170,7 +170,7 @@ def test_session_reply_through_the_fused_step_equals_mlx_lm(monkeypatch):
 
     from chatapp.engine.generate import GenerationSettings, TokenEvent
     from chatapp.engine.session import Session
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     tok = byte_tokenizer()
     shape = LlamaShape(**{**SMOL.__dict__, "vocab_size": 258})

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from chatapp.cli import main
-from chatapp.engine.gguf_source import find_gguf
-from chatapp.engine.modelfiles import ModelLoadError
+from chatapp.model.gguf_source import find_gguf
+from chatapp.model.modelfiles import ModelLoadError
 from tests.gguf_models import metadata, random_llama, write_model_gguf
 
 HASH = "0123456789abcdef0123456789abcdef01234567"

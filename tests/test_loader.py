@@ -17,22 +17,20 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
-from chatapp.engine import device, loader
-from chatapp.engine.device import BackendInfo, cast_floating, checkpoint_float_dtype, pick_backend
-from chatapp.engine.legacy import load_legacy_tokenizer
-from chatapp.engine.loader import (
-    DownloadProgress,
-    ModelLoadError,
+from chatapp.model import device, loader
+from chatapp.model.device import BackendInfo, cast_floating, checkpoint_float_dtype, pick_backend
+from chatapp.model.legacy import load_legacy_tokenizer
+from chatapp.model.hub import DownloadProgress, progress_tqdm_class
+from chatapp.model.legacy import legacy_weight_name
+from chatapp.model.loader import (
     available_memory_bytes,
     estimate_weight_bytes,
-    find_weight_files,
-    legacy_weight_name,
     load_model,
-    progress_tqdm_class,
     save_model_dir,
     weights_fingerprint,
 )
-from chatapp.engine.synthetic import LlamaShape, build_random_llama
+from chatapp.model.modelfiles import ModelLoadError, find_weight_files
+from chatapp.model.synthetic import LlamaShape, build_random_llama
 from tests.conftest import SHARED_MODELS
 
 HASH = "0123456789abcdef0123456789abcdef01234567"
@@ -211,7 +209,7 @@ def test_estimate_weight_bytes_reads_headers(stories_path, tmp_path):
 
 
 def test_cast_floating_can_skip_quantised_scales():
-    from chatapp.engine.device import is_quant_param
+    from chatapp.backend.params import is_quant_param
 
     model, _ = build_random_llama(LlamaShape(num_hidden_layers=1), dtype=mx.float16, quantize_bits=4)
     cast_floating(model, mx.float32, skip=is_quant_param)

@@ -14,7 +14,7 @@ from tests.conftest import tiny_llama
 
 
 def tiny_session(**kw) -> Session:
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     return Session(tiny_llama(layers=2), byte_tokenizer(), generation=GenerationSettings(temp=0.0, max_tokens=20),
                    **kw)

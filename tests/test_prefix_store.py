@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import CacheSettings
-from chatapp.engine.conversation import Conversation
+from chatapp.prompt.conversation import Conversation
 from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.session import Session
 from chatapp.store import ChatStore
@@ -33,7 +33,7 @@ MODES = ["concat", "prealloc", "quantized", "window", "window-quant"]
 
 
 def tokenizer():
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     return byte_tokenizer()
 
@@ -121,7 +121,7 @@ def test_reply_after_a_warm_start_equals_the_cold_one_in_every_mode(mode, tmp_pa
 
 
 def test_reply_after_a_warm_start_equals_the_cold_one_on_a_real_model(stories4_path, tmp_path):
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     lm = load_model(str(stories4_path))
     ident = ModelIdentity.from_loaded(lm, str(stories4_path))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.conversation import Conversation
-from chatapp.engine.formats import PromptFormat
-from chatapp.engine.generate import GenerationSettings, StopMatcher, TokenEvent, TurnDone, run_turn
+from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.formats import PromptFormat
+from chatapp.engine.generate import GenerationSettings, StopMatcher, run_turn
+from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.session import Session, compare_modes
 
 GREEDY = GenerationSettings(temp=0.0, max_tokens=24)
@@ -196,7 +197,7 @@ def test_random_model_all_modes_multi_turn():
     and the quantised modes really hold quantised tokens."""
     from tests.conftest import tiny_llama
 
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     tok = byte_tokenizer()
     model = tiny_llama(layers=2)
@@ -235,7 +236,7 @@ def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):
 def test_replies_without_a_leading_space_are_reused_next_turn():
     """A byte-level model's reply starts with whatever byte it picked (no SentencePiece "▁"):
     the transcript renders it exactly as generated, so the next turn prefills only its own text."""
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+    from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
     tok = byte_tokenizer()
     ascii_only = tuple(i for i in range(256) if not tok.decode([i]).isascii())

@@ -27,7 +27,7 @@ REFERENCE_IDS = {
 def smol():
     if not GGUF.is_file():
         pytest.skip(f"needs {GGUF} (../shared is absent)")
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     return load_model(str(GGUF), cast_scales=False)
 
@@ -95,7 +95,7 @@ def test_prefix_store_warm_start_gives_the_cold_reply(tmp_path):
     # float16 scales kept, as the app loads on the CPU: the namespace takes the activations' dtype
     if not GGUF.is_file():
         pytest.skip(f"needs {GGUF} (../shared is absent)")
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     smol = load_model(str(GGUF), cast_scales=False)
     ident = ModelIdentity.from_loaded(smol, str(GGUF))

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.generate import GenerationSettings, TokenEvent, TurnDone, run_turn
+from chatapp.engine.generate import GenerationSettings, run_turn
+from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.session import Session
 from chatapp.store import ChatStore
 from chatapp.store.chat import PARTIAL_TOKENS, ModelIdentity, PersistentChat, open_chat
@@ -25,7 +26,7 @@ run = run_turn  # drain a turn, return its TurnDone
 
 @pytest.fixture(scope="module")
 def stories_loaded(stories_path):
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     return load_model(str(stories_path))
 
@@ -79,7 +80,7 @@ def test_every_message_saved_and_resume_needs_no_prefill(stories_loaded, stories
 
 @pytest.mark.parametrize("mode", ["concat", "prealloc", "quantized", "window", "window-quant"])
 def test_resume_continues_exactly_in_every_mode(mode, tmp_path):
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     model, tok = tiny_llama(layers=2), byte_tokenizer()
     ident = ModelIdentity("tiny", "tiny", "fp")
@@ -334,7 +335,7 @@ def test_long_messages_follow_the_policy_or_are_refused(stories_loaded, stories_
 
 
 def test_control_characters_and_invalid_utf8_are_stored_intact(tmp_path):
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.model.synthetic import byte_tokenizer
 
     model, tok = tiny_llama(layers=2), byte_tokenizer()
     s = Session(model, tok, generation=GenerationSettings(temp=1.0, seed=3, max_tokens=60))
@@ -364,8 +365,8 @@ def test_resume_unknown_id_is_refused(stories_loaded, stories_id, tmp_path):
 def test_a_chat_template_that_refuses_the_conversation_is_a_clear_refusal():
     """A transcript ending with an unanswered user message (a kill before the first token),
     resumed with a template that insists on alternating roles: refused, never a crash."""
-    from chatapp.engine.conversation import Conversation
-    from chatapp.engine.synthetic import byte_tokenizer
+    from chatapp.prompt.conversation import Conversation
+    from chatapp.model.synthetic import byte_tokenizer
 
     tok = byte_tokenizer()
     tok._tokenizer.chat_template = (

@@ -11,7 +11,7 @@ from rich.console import Console
 from textual.app import App
 
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
-from chatapp.ui.bridge import LoadProgress
+from chatapp.engine.events import LoadProgress
 from chatapp.ui.format import (
     MODES, StatusItem, context_bucket, fmt_rate, fmt_seconds_ms, fmt_share, freeze, hbar, live_cache, memory_items,
     mode_table, model_label, next_mode, pack, render_lines, spark, status_items, steps_by_context,
@@ -262,7 +262,7 @@ def test_loading_screen_progress_and_failure():
 
 
 def test_compare_chart():
-    from chatapp.engine.session import CompareRow
+    from chatapp.engine.events import CompareRow
 
     rows = [CompareRow("prealloc", 100, 120, 0.02, 1000.0, 200.0, 24, "x"),
             CompareRow("window", 100, 120, 0.01, 2000.0, 400.0, 24, "x"),

@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .qlinear import (  # noqa: F401 (CpuQuantized*, _numpy_matvec: re-exported)
+from .qlinear import (
     NUMPY_MIN_ELEMENTS,
     ROUTES,
     CastingEmbedding,
     CpuQuantizedEmbedding,
     CpuQuantizedLinear,
-    _numpy_matvec,
 )
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
@@ -328,7 +327,7 @@ def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool,
 
 def _activation_dtype(model: nn.Module):
     """The dtype most float parameters are in, leaving out those a CPU load keeps as stored."""
-    from chatapp.engine.device import kept_for_cpu_kernels
+    from .params import kept_for_cpu_kernels
 
     kept = kept_for_cpu_kernels(model)
     totals: dict = {}
@@ -359,7 +358,7 @@ def _match_scales_to_activations(layers: dict[str, nn.Module], kernel_layers: li
 def _cast_lookups(model: nn.Module, act) -> list[str]:
     """Lookup-only embedding tables left in another dtype by the loader cast the rows they
     return (CastingEmbedding) instead of being copied whole; returns their names."""
-    from chatapp.engine.device import lookup_only_embeddings
+    from .params import lookup_only_embeddings
 
     tables = {path.removesuffix(".weight") for path in lookup_only_embeddings(model)}
     swap = {name: CastingEmbedding(m, act) for name, m in model.named_modules()

@@ -330,3 +330,24 @@ class CastingEmbedding(nn.Embedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         return x @ self["weight"].astype(self._dtype).T
+
+
+# ---- public entry points for benches and tools (the layers above use these, not the privates) ----
+
+
+def matmul(route: Route, x: mx.array, out_dtype: mx.Dtype = mx.float32) -> mx.array:
+    """``x @ W.T`` the way ``route`` computes it: the packed kernels (``kind="kernel"``), or the dense
+    float32 copy (``kind="dense"``; numpy's sgemv for one token when ``dense_np`` is set)."""
+    if route.kind == "kernel":
+        return _kernel_matmul(x, route, out_dtype)
+    if route.kind == "dense":
+        if route.dense_np is not None and _tokens(x) == 1:
+            return _numpy_matvec(x, route.dense_np, out_dtype)
+        return _dense_matmul(x, route.dense, out_dtype)
+    raise ValueError(f"matmul: route {route.kind!r} has no product of its own (MLX's quantized_matmul)")
+
+
+def is_routed(module) -> bool:
+    """A layer :func:`chatapp.backend.cpu.accelerate_model` replaced (a CpuQuantizedLinear or
+    CpuQuantizedEmbedding)."""
+    return isinstance(module, _Routed)

@@ -37,7 +37,7 @@ def model_names(text: str, stories: str | Path) -> list[str]:
 
 def load_stories(path: str | Path) -> tuple[Any, Any, Any, str]:
     """stories260K-4bit: (model, tokenizer, ModelIdentity, description)."""
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
     from chatapp.store.chat import ModelIdentity
 
     lm = load_model(str(path))
@@ -50,6 +50,15 @@ def fast_path(model, off: bool) -> str:
     if off:
         return "off (--no-fast-path)"
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.device import pick_backend
+    from chatapp.model.device import pick_backend
 
     return apply_fast_path(model, backend=pick_backend().name).summary()
+
+
+def loadavg() -> str:
+    """The 1/5/15-minute load averages: the speeds here depend on what else the machine runs."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "n/a"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from chatapp.bench.common import loadavg
 from chatapp.bench.report import BenchReport, emit, line_plot
 
 SHAPE = dict(
@@ -149,15 +150,6 @@ def _rates(prompt_len: int, t0: float, stamps: list[float]) -> tuple[float, floa
     return prefill, decode
 
 
-def _loadavg() -> str:
-    """The 1/5/15-minute load averages: the speeds here depend on what else the machine runs."""
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "n/a"
-
-
 def _best_ms(fn, repeats: int) -> float:
     import mlx.core as mx
 
@@ -181,8 +173,6 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
     mx.eval(w, wq, s, b, x512, x1)
     import numpy as np
 
-    from chatapp.backend.cpu import _numpy_matvec
-
     wn = np.asarray(w)
 
     def qmm(x, dtype):
@@ -192,15 +182,16 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
     def deq():
         return mx.dequantize(wq, s, b, group_size=64, bits=4, dtype=mx.float32)
 
-    from chatapp.backend.qlinear import Route, _kernel_matmul, packed_view
+    from chatapp.backend.qlinear import Route, matmul, packed_view
 
     route = Route(kind="kernel", packed=packed_view(wq, s, b, 4, 64))
+    dense = Route(kind="dense", dense=w, dense_np=wn)
     rows = [
-        ("4-bit packed kernel (chatapp: decode)", 1, lambda: _kernel_matmul(x1, route, mx.float32), 10),
-        ("dequantise blocks + numpy gemm (chatapp: prefill)", 512, lambda: _kernel_matmul(x512, route, mx.float32), 3),
+        ("4-bit packed kernel (chatapp: decode)", 1, lambda: matmul(route, x1), 10),
+        ("dequantise blocks + numpy gemm (chatapp: prefill)", 512, lambda: matmul(route, x512), 3),
         ("dense matmul (float32, MLX matmul)", 512, lambda: x512 @ w.T, 3),
         ("dense matvec (float32, MLX matmul)", 1, lambda: x1 @ w.T, 10),
-        ("dense matvec (float32, numpy sgemv: decode)", 1, lambda: _numpy_matvec(x1, wn, mx.float32), 10),
+        ("dense matvec (float32, numpy sgemv: decode)", 1, lambda: matmul(dense, x1), 10),
         ("4-bit quantized_matmul, float32", 512, qmm(x512, mx.float32), 1),
         ("4-bit quantized_matmul, float32", 1, qmm(x1, mx.float32), 10),
         ("4-bit quantized_matmul, bfloat16", 1, qmm(x1, mx.bfloat16), 3),
@@ -225,12 +216,12 @@ def run(args: argparse.Namespace) -> int:
 
     from chatapp.backend.blas import current_blas
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     prompts = [int(p) for p in str(args.prompts).split(",") if p.strip()]
     if not prompts or min(prompts) < 1 or args.decode_tokens < 2:
         raise SystemExit("--prompts needs lengths >= 1 and --decode-tokens needs >= 2")
-    load_start = _loadavg()
+    load_start = loadavg()
     blas = current_blas()
     print(f"# {blas.summary()}")
     if not blas.loaded:
@@ -279,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
     rep.meta.update(
         blas=blas.summary(), blas_loaded=blas.loaded, plan=plan.summary(),
         dense_bytes=plan.dense_bytes, decode_tokens=args.decode_tokens, repeats=args.repeats,
-        load_average_start=load_start, load_average_end=_loadavg(),
+        load_average_start=load_start, load_average_end=loadavg(),
         model=f"random 4-bit Llama {shape.config()}", mlx=mx.__version__,
     )
     layers = None if args.no_layer_table else layer_table(args.layer_dim, args.seed)

@@ -114,12 +114,12 @@ def _best(runs: list[dict]) -> dict:
 
 
 def run_flagship(args) -> int:
-    from chatapp.bench.cpu_bench import _loadavg
+    from chatapp.bench.common import loadavg
     from chatapp.bench.flagship import weight_file_bytes, write_llama2_7b
     from chatapp.kernels.bandwidth import read_bandwidth
 
     log = lambda s: print(s, flush=True)  # noqa: E731
-    load_start = _loadavg()
+    load_start = loadavg()
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     geometry = _geometry(args)
     folder = Path(args.model_dir)
@@ -185,7 +185,7 @@ def _load_times(folder: Path, spec: dict, peers: list[str], rounds: int, log) ->
 
 
 def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, load_start: str) -> int:
-    from chatapp.bench.cpu_bench import _loadavg
+    from chatapp.bench.common import loadavg
 
     ref = best.get("mlx-lm")
     rep = BenchReport(
@@ -225,7 +225,7 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
         print(f"# {line}")
     rep.meta.update(
         long={"columns": long.columns, "rows": long.rows}, runs=results, bandwidth=bandwidth,
-        weight_file_bytes=file_bytes, summary=lines, load_average_start=load_start, load_average_end=_loadavg(),
+        weight_file_bytes=file_bytes, summary=lines, load_average_start=load_start, load_average_end=loadavg(),
         prompt=args.prompt, short=args.short, decode_tokens=args.decode_tokens, repeats=args.repeats,
     )
     emit(rep, args.json, None, None)

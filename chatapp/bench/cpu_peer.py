@@ -60,7 +60,7 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
     from chatapp.backend.cpu import apply_fast_path
     from chatapp.bench.cpu_bench import chatapp_prefill, greedy_decode
     from chatapp.config import CacheConfig
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(spec["model"], cast_scales=False)
@@ -75,11 +75,11 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
         return res
 
     # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
-    from chatapp.backend.qlinear import _Routed
+    from chatapp.backend.qlinear import is_routed
 
     res["weight_bytes_per_token"] = sum(
         m["weight"].nbytes + m["scales"].nbytes + m["biases"].nbytes
-        for _, m in model.named_modules() if isinstance(m, _Routed) and m.route == "kernel")
+        for _, m in model.named_modules() if is_routed(m) and m.route == "kernel")
 
     def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
         """Greedy tokens, prefill tok/s (prompt / time to the first token), token times."""
@@ -125,7 +125,7 @@ def run_mlx_lm(spec: dict) -> dict:
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     t0 = time.perf_counter()
     lm = load_model(spec["model"])

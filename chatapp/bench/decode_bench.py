@@ -128,7 +128,7 @@ def filler_tokenizer(vocab_size: int):
 
 def load_peer_model(spec: str, big_layers: int = 2, seed: int = 0) -> dict[str, Any]:
     """(name, model, tokenizer, description) for a ``--models`` entry."""
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama
 
     if spec in (BIG, "7b"):
         shape = LlamaShape(hidden_size=4096, num_hidden_layers=big_layers, num_attention_heads=32,
@@ -145,7 +145,7 @@ def load_peer_model(spec: str, big_layers: int = 2, seed: int = 0) -> dict[str, 
         model, _ = build_random_llama(shape, seed=seed, quantize_bits=4)
         return dict(name=TINY, model=model, tokenizer=filler_tokenizer(512), big=False,
                     desc="random 4-bit Llama: 2 layers, 4 heads / 2 KV heads of 64, hidden 256, vocab 512")
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     lm = load_model(spec)
     desc = f"{lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype} activations"
@@ -193,7 +193,8 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: b
     import mlx.core as mx
 
     from cache import make_caches
-    from chatapp.engine.generate import GenerationSettings, TurnDone
+    from chatapp.engine.generate import GenerationSettings
+    from chatapp.engine.events import TurnDone
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
 

@@ -61,8 +61,8 @@ def add_arguments(p) -> None:
 
 def build_bench_model(folder: Path) -> Path:
     """The default bench model: a random Llama with a byte-level tokenizer, saved to ``folder``."""
-    from chatapp.engine.loader import save_model_dir
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+    from chatapp.model.loader import save_model_dir
+    from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
     tok_dir = folder / "tokenizer"
     byte_tokenizer()._tokenizer.save_pretrained(str(tok_dir))

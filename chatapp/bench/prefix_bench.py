@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _load(name: str, args, tmp: Path) -> tuple[Any, Any, Any, str]:
     if name == "stories":
         return load_stories(args.stories)
-    from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+    from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
     from chatapp.store.chat import ModelIdentity
 
     shape = dict(RANDOM_SHAPE)
@@ -82,7 +82,7 @@ def _load(name: str, args, tmp: Path) -> tuple[Any, Any, Any, str]:
     if args.random_tokenizer == "llama2" and (Path(args.llama2_tokenizer) / "tokenizer.model").exists():
         # Llama 2's own tokenizer and vocabulary: real text takes as many tokens as on Llama-2-7B
         # (a byte tokenizer would make every message about four times longer).
-        from chatapp.engine.loader import load_model, save_model_dir
+        from chatapp.model.loader import load_model, save_model_dir
 
         model, config = build_random_llama(LlamaShape(**{**shape, "vocab_size": 32000}), seed=args.seed,
                                            quantize_bits=4)
@@ -97,7 +97,7 @@ def _load(name: str, args, tmp: Path) -> tuple[Any, Any, Any, str]:
 
 def system_prompt(session, tokens: int) -> str:
     """The persona repeated, cut at the word where the system prompt alone reaches ``tokens``."""
-    from chatapp.engine.conversation import Conversation
+    from chatapp.prompt.conversation import Conversation
 
     words = (PERSONA * (tokens // 8 + 2)).split(" ")
 

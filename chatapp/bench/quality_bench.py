@@ -105,7 +105,7 @@ def generate_stories(n_tokens: int, model_path: str | Path = SHARED / "stories26
     """Greedy stories260K continuations of fixed openings, joined until ``n_tokens`` tokens."""
     from mlx_lm import generate
 
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     lm = load_model(str(model_path))
     stories, total, i = [], 0, 0
@@ -131,12 +131,12 @@ RANDOM_SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
 
 def load(args) -> tuple[Any, Any, str]:
     if args.random:
-        from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+        from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
         model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed)
         return model, byte_tokenizer(), ("random float32 Llama: hidden 512, 4 layers, 8 heads / 4 KV heads of 64, "
                                          "byte tokenizer (vocab 258), max positions 4096")
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     lm = load_model(args.model)
     return lm.model, lm.tokenizer, (f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, "

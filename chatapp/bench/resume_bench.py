@@ -71,7 +71,7 @@ def _load(name: str, args) -> tuple[Any, Any, Any, str]:
     from chatapp.store.chat import ModelIdentity
 
     if name == "random":
-        from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+        from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
         model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed, quantize_bits=4)
         ident = ModelIdentity("random-4bit", "random-4bit", f"random-seed-{args.seed}")
@@ -85,7 +85,7 @@ def _history(session, length: int):
     word more (unless one user message alone is longer): whole user/assistant pairs while
     another pair fits after them, then a last pair whose reply is cut at the word reaching
     ``length``."""
-    from chatapp.engine.conversation import Conversation, Message
+    from chatapp.prompt.conversation import Conversation, Message
 
     def size(messages) -> int:
         return len(session.format.tokens(Conversation(list(messages)), generation_prompt=False))
@@ -154,7 +154,7 @@ def _resume(model, tok, ident, args, data_dir: Path, cid: int) -> dict:
 
 
 def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
-    from chatapp.engine.conversation import Conversation, Message
+    from chatapp.prompt.conversation import Conversation, Message
     from chatapp.engine.generate import GenerationSettings, run_turn
     from chatapp.engine.session import Session
     from chatapp.store.db import ChatStore

@@ -92,7 +92,7 @@ RANDOM_SHAPE = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8
 
 def load(args) -> tuple[Any, Any, str]:
     if args.random:
-        from chatapp.engine.synthetic import LlamaShape, build_random_llama, byte_tokenizer
+        from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
         tokenizer = byte_tokenizer()
         # Random weights emit random bytes, mostly invalid UTF-8, which no text can carry back to
@@ -104,7 +104,7 @@ def load(args) -> tuple[Any, Any, str]:
         desc = ("random 4-bit Llama: hidden 1024, 4 layers, 8 heads (8 KV heads) of 128, intermediate 2816, "
                 "byte tokenizer (vocab 258), non-ASCII bytes silenced")
         return model, tokenizer, desc
-    from chatapp.engine.loader import load_model
+    from chatapp.model.loader import load_model
 
     lm = load_model(args.model)
     return lm.model, lm.tokenizer, f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype}"
@@ -114,7 +114,7 @@ def fast_path(model, args) -> str:
     if args.no_fast_path:
         return "off (--no-fast-path)"
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.engine.device import pick_backend
+    from chatapp.model.device import pick_backend
 
     return apply_fast_path(model, backend=pick_backend().name, fast_attention=not args.mlx_attention,
                            dense_weights=args.dense_weights).summary()
@@ -122,7 +122,7 @@ def fast_path(model, args) -> str:
 
 def _finish(events, stop_after_first=None) -> tuple[Any, int | None]:
     """Run a reply to the end (or cancel ``stop_after_first`` once it has a token); (TurnDone, first token id)."""
-    from chatapp.engine.generate import TokenEvent, TurnDone
+    from chatapp.engine.events import TokenEvent, TurnDone
 
     done, first = None, None
     for ev in events:

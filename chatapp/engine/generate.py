@@ -8,7 +8,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from .stats import TurnStats
+from .events import TurnDone
 
 
 @dataclass(frozen=True)
@@ -34,26 +34,6 @@ class GenerationSettings:
 
 
 # ---- events a turn yields ---------------------------------------------------------------------
-@dataclass
-class PrefillProgress:
-    done: int
-    total: int
-    stats: TurnStats
-
-
-@dataclass
-class TokenEvent:
-    text: str  # newly decoded text (may be "" while a multi-byte character or stop string is pending)
-    token: int
-    stats: TurnStats
-
-
-@dataclass
-class TurnDone:
-    text: str  # the whole reply as kept in the conversation
-    stats: TurnStats
-
-
 def run_turn(events) -> TurnDone | None:
     """Drain a turn's event stream and return its TurnDone (for callers that do not stream)."""
     done = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -26,8 +26,8 @@ from chatapp.backend.qlinear import last_position_only
 
 from .stats import TurnStats
 
-if TYPE_CHECKING:
-    from .session import Session
+# engine.session.Session: that module imports this one, so the name is only an alias here (no circle).
+Session = Any
 
 KV = list[tuple[mx.array, mx.array]]  # per layer: keys, values [1, kv_heads, tokens, head_dim]
 
@@ -41,6 +41,16 @@ class PrefixHit:
 class PrefixSource(Protocol):
     def lookup(self, tokens: list[int]) -> PrefixHit | None:
         """The K/V of the longest stored prefix of ``tokens`` (None when nothing useful is stored)."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prealloc_settings(session: "Session"):
@@ -84,7 +94,7 @@ def exact_length(session: "Session", tokens: list[int]) -> int:
         usage = c.usage()
         if usage.evicted or usage.quant_tokens:
             return 0
-    return session._common_prefix(tokens)
+    return common_prefix(session.cached, tokens)
 
 
 def full_precision_kv(session: "Session", tokens: list[int], chunk: int = 512) -> tuple[KV, int]:

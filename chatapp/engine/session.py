@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import mlx.core as mx
@@ -28,31 +27,17 @@ from cache import (
 
 from chatapp.backend.qlinear import last_position_only
 
-from .conversation import Conversation
-from .formats import PromptFormat
-from .generate import GenerationSettings, PrefillProgress, StopMatcher, TokenEvent, TurnDone
+from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.formats import PromptFormat
+from .generate import GenerationSettings, StopMatcher
+from .events import CompareRow, PrefillProgress, SwitchReport, TokenEvent, TurnDone
 from .memory import memory_total, read_gauges
-from .prefix import PrefixSource, warm_start
+from .prefix import PrefixSource, common_prefix, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
 AUTO = "auto"
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
 LIVE_VIEW_EVERY = 8  # tokens between cache measurements while a reply streams
-
-
-@dataclass
-class SwitchReport:
-    mode: str
-    action: str  # "converted", "reprefilled", "unchanged"
-    reason: str
-    seconds: float
-    notes: list[str] = field(default_factory=list)
-
-    def line(self) -> str:
-        verb = {"converted": "converted the live cache", "reprefilled": "re-prefilled the conversation",
-                "unchanged": "nothing to do"}[self.action]
-        extra = f"; {'; '.join(self.notes)}" if self.notes else ""
-        return f"cache mode {self.mode}: {verb} in {self.seconds * 1000:.0f} ms ({self.reason}){extra}"
 
 
 class Session:
@@ -76,9 +61,9 @@ class Session:
         self.requested_mode = mode
         self.long_after = long_after
         self.generation = generation or GenerationSettings()
-        # The prompt format (engine.formats); None: the tokenizer's template, else plain (raw: --raw).
+        # The prompt format (prompt.formats); None: the tokenizer's template, else plain (raw: --raw).
         self.format = prompt_format or PromptFormat.for_tokenizer(tokenizer, raw=raw)
-        self.format_choice = None  # engine.formatchoice.FormatChoice: which format and why, when chosen
+        self.format_choice = None  # prompt.choice.FormatChoice: which format and why, when chosen
         self.conversation = Conversation.start(system)
         self.notices: list[str] = []
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
@@ -236,7 +221,7 @@ class Session:
 
     def _reuse(self, prompt: list[int]) -> int:
         """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
-        common = self._common_prefix(prompt)
+        common = common_prefix(self.cached, prompt)
         if common == len(prompt):
             common -= 1  # the last prompt token must run again to give the next token's logits
         evicted = self.caches[0].evicted
@@ -405,18 +390,10 @@ class Session:
             if rendering in tried:
                 continue
             tried.add(rendering)
-            common = self._common_prefix(self.format.tokens(self.conversation, generation_prompt=False))
+            common = common_prefix(self.cached, self.format.tokens(self.conversation, generation_prompt=False))
             if common > best_common:
                 best, best_common = candidate, common
         msg.raw = best
-
-    def _common_prefix(self, tokens: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.cached, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
 
     # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
     def cache_consistent(self) -> bool:
@@ -478,19 +455,6 @@ class Session:
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
         )
-
-
-@dataclass
-class CompareRow:
-    mode: str
-    context: int  # tokens in the cache when the last turn started
-    prompt_tokens: int
-    ttft: float
-    prefill_tps: float
-    decode_tps: float
-    generated: int
-    reply: str
-    error: str = ""
 
 
 def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> Iterator[CompareRow]:

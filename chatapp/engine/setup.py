@@ -5,18 +5,22 @@ from __future__ import annotations
 from typing import Callable
 
 from cache import CacheConfigError, CacheSettings
+from chatapp.errors import SetupError
+from chatapp.model.device import pick_backend
+from chatapp.model.hub import DownloadProgress
+from chatapp.model.loader import LoadedModel, load_model
+from chatapp.model.modelfiles import ModelLoadError
+from chatapp.prompt.choice import FormatChoice, FormatRequest, RepoFacts, choose_format
+from chatapp.prompt.formats import (
+    FormatError,
+    PromptFormat,
+    make_format,
+    read_template_file,
+)
 
-from .device import pick_backend
-from .formatchoice import FormatChoice, FormatRequest, RepoFacts, choose_format
-from .formats import FormatError, PromptFormat, make_format, read_template_file
 from .generate import GenerationSettings
-from .loader import DownloadProgress, LoadedModel, ModelLoadError, load_model
 from .memory import MemoryLimits, apply_limits
 from .session import Session
-
-
-class SetupError(Exception):
-    """A one-line, user-fixable reason the engine could not start."""
 
 
 def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
@@ -71,7 +75,7 @@ def generation_from(config) -> GenerationSettings:
 
 
 def prompt_format_for(config, loaded: LoadedModel) -> tuple[PromptFormat, FormatChoice]:
-    """The prompt format the settings and the model call for (engine.formatchoice), and why.
+    """The prompt format the settings and the model call for (prompt.choice), and why.
     A format the tokenizer cannot serve, or a template file that cannot be read or rendered, is a
     one-line SetupError."""
     facts = RepoFacts.from_tokenizer(loaded.model_id, loaded.config, loaded.tokenizer)

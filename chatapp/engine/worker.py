@@ -11,39 +11,11 @@ from __future__ import annotations
 import queue
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from .session import CompareRow, Session, SwitchReport, compare_modes
+from .session import Session, compare_modes
 
-
-@dataclass
-class Loaded:
-    model_id: str
-    notes: list[str]
-    info: dict[str, Any]
-
-
-@dataclass
-class Failed:
-    message: str  # one line for the user
-    detail: str = ""  # traceback, for --verbose / logs
-
-
-@dataclass
-class Switched:
-    report: SwitchReport
-
-
-@dataclass
-class CompareResult:
-    row: CompareRow
-    done: bool = False
-
-
-@dataclass
-class Idle:
-    pass
+from .events import CompareResult, Failed, Idle, Loaded, Switched
 
 
 class EngineWorker:
@@ -84,7 +56,7 @@ class EngineWorker:
         s = self.session
         choice = getattr(s, "format_choice", None)
         notes = ([choice.line()] if choice is not None else []) + list(s.notices)
-        self._emit(Loaded(getattr(s, "model_id", ""), notes, {}))
+        self._emit(Loaded(getattr(s, "model_id", ""), notes))
         while True:
             command, args = self._queue.get()
             if command == "quit":

@@ -1,1 +1,1 @@
-"""Model loading (GGUF files here; the folder loaders move in from chatapp.engine)."""
+"""Loading a model: hub resolution, model files and configs, the dtype/device choice (no session, no cache)."""

@@ -1,7 +1,7 @@
 """How SentencePiece BPE encodes, as rules a ``tokenizers`` pipeline can follow.
 
 Shared by the GGUF ``llama`` vocabulary (:mod:`chatapp.model.gguf_tokenizer`) and the legacy
-``tokenizer.model`` folders (:mod:`chatapp.engine.legacy`), so both give SentencePiece's ids.
+``tokenizer.model`` folders (:mod:`chatapp.model.legacy`), so both give SentencePiece's ids.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from chatapp.engine.conversation import Conversation, Message
-from chatapp.engine.generate import TokenEvent, TurnDone
+from chatapp.prompt.conversation import Conversation, Message
+from chatapp.engine.events import TokenEvent, TurnDone
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy
@@ -60,7 +60,7 @@ class ModelIdentity:
 
     @classmethod
     def from_loaded(cls, loaded, spec: str | None = None) -> "ModelIdentity":
-        """From a :class:`~chatapp.engine.loader.LoadedModel` and what the user asked to load."""
+        """From a :class:`~chatapp.model.loader.LoadedModel` and what the user asked to load."""
         spec = spec if spec is not None else loaded.model_id
         local = Path(spec).expanduser()
         model_spec = str(local.resolve()) if local.is_dir() else spec

@@ -176,7 +176,7 @@ def block_info(path: Path) -> BlockInfo:
 def namespace_for(session, weights_fingerprint: str, model_id: str = "") -> Namespace:
     """The namespace of a session's K/V: its model's weights and arguments, its prompt format,
     the dtype and geometry of its caches."""
-    from chatapp.engine.device import activation_float_dtype, dtype_name
+    from chatapp.model.device import activation_float_dtype, dtype_name
 
     args = getattr(session.model, "args", None)
     fields = vars(args) if args is not None and hasattr(args, "__dict__") else {}

@@ -30,6 +30,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from chatapp.engine.events import CompareResult, Failed, Idle, Loaded, PrefillProgress, Switched, TokenEvent, TurnDone
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import (
@@ -179,11 +180,6 @@ class ChatApp(App[int]):
         if isinstance(ev, ConversationChanged):
             await self._conversation_changed(ev)
             return
-        # The engine's own event classes (imported here, not at module level: importing them
-        # imports MLX, which the engine thread has done by the time its first event arrives).
-        from chatapp.engine.generate import PrefillProgress, TokenEvent, TurnDone
-        from chatapp.engine.worker import CompareResult, Failed, Idle, Loaded, Switched
-
         if isinstance(ev, TokenEvent):
             self.live_stats = self._fz(ev.stats)
             self._pending_text += ev.text

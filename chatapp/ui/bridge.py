@@ -13,40 +13,15 @@ import copy
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from textual.message import Message
 
-from chatapp.engine.stats import CacheView, MemoryGauges
+from chatapp.engine.events import LoadProgress, PrefillProgress, SessionInfo, TokenEvent
 
 
 # ---- events of our own (emitted on the engine thread) ---------------------------------------------
-@dataclass
-class LoadProgress:
-    """What the loading screen shows. ``percent`` is None while the length is unknown."""
-
-    phase: str  # "download", "load", "session"
-    detail: str = ""
-    percent: float | None = None
-
-
-@dataclass
-class SessionInfo:
-    """A plain description of the session, read on the engine thread after load and switches."""
-
-    model_id: str
-    mode: str  # the cache mode in use
-    requested_mode: str  # what was asked for ("auto" included)
-    cache: CacheView
-    settings: dict[str, int] = field(default_factory=dict)  # as asked: window, sinks, kv_bits, ...
-    effective: dict[str, int] = field(default_factory=dict)  # as used, after fitting to the model
-    has_system: bool = False
-    messages: int = 0
-    fmt: str = ""  # the prompt format, and why it was chosen
-    memory: MemoryGauges = field(default_factory=MemoryGauges)  # MLX's allocator when this was read
-
-
 @dataclass
 class ChatNotes:
     """One-line notes and errors from the conversation store (``(level, text)``, level "note" or "error")."""
@@ -193,7 +168,7 @@ class EngineBridge:
         # TokenEvent / PrefillProgress carry the turn's live TurnStats, which the engine keeps
         # mutating; hand the UI a shallow copy of the numbers as they are now.
         stats = getattr(event, "stats", None)
-        if stats is not None and type(event).__name__ in ("TokenEvent", "PrefillProgress"):
+        if stats is not None and isinstance(event, (TokenEvent, PrefillProgress)):
             event = copy.copy(event)
             event.stats = copy.copy(stats)
         self._post(EngineEvent(event))
@@ -208,7 +183,7 @@ class EngineBridge:
     def _start_worker(self) -> None:
         self._post(EngineEvent(LoadProgress("import", "starting the engine (importing MLX)")))
         try:
-            from .engine import ChatWorker
+            from .chat_worker import ChatWorker
         except Exception as e:  # noqa: BLE001 - shown to the user as one line
             self._post(EngineEvent(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc())))
             return

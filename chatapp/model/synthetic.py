@@ -96,9 +96,9 @@ def byte_tokenizer():
     Built in memory with the ``tokenizers`` library, so random-weight models get a real
     tokenizer (streaming detokeniser included) without any files from outside.
     """
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}

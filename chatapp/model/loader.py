@@ -5,11 +5,11 @@ Two on-disk formats are understood:
 * **mlx-lm** folders (``config.json`` + ``model*.safetensors`` + tokenizer files), loaded with
   mlx-lm's own loader, so every architecture mlx-lm supports works.
 * **legacy-npz** folders from the early mlx-community repos (e.g.
-  ``mlx-community/Llama-2-7b-chat-4-bit``), read by :mod:`chatapp.engine.legacy`.
+  ``mlx-community/Llama-2-7b-chat-4-bit``), read by :mod:`chatapp.model.legacy`.
 * **gguf** files (llama.cpp's format: a file, a folder holding one, or a repo's file), read by
-  :mod:`chatapp.model.gguf` and found by :mod:`chatapp.engine.gguf_source`.
+  :mod:`chatapp.model.gguf` and found by :mod:`chatapp.model.gguf_source`.
 
-Repo ids are resolved (and downloaded) by :mod:`chatapp.engine.hub`. Every failure the user can
+Repo ids are resolved (and downloaded) by :mod:`chatapp.model.hub`. Every failure the user can
 cause or fix (unknown repo, no network, missing files, unsupported architecture, not enough
 memory) raises :class:`ModelLoadError` with a one-line message.
 """
@@ -30,45 +30,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from chatapp.engine.device import (
+from chatapp.backend.params import kept_for_cpu_kernels
+from chatapp.model.device import (
     DTYPES,
     cast_floating,
     checkpoint_float_dtype,
     dtype_name,
-    kept_for_cpu_kernels,
     pick_backend,
 )
-from chatapp.engine.gguf_source import find_gguf
-from chatapp.engine.hub import ALLOW_PATTERNS, DownloadProgress, progress_tqdm_class, resolve_model_path
-from chatapp.engine.legacy import legacy_config_to_mlx, legacy_weight_name, load_legacy_model, load_legacy_tokenizer
-from chatapp.engine.modelconfig import config_value
-from chatapp.engine.modelfiles import (
+from chatapp.model.gguf_source import find_gguf
+from chatapp.model.hub import DownloadProgress, resolve_model_path
+from chatapp.model.legacy import load_legacy_model, load_legacy_tokenizer
+from chatapp.model.modelconfig import config_value
+from chatapp.model.modelfiles import (
     ModelLoadError,
     check_files,
-    find_weight_files,
-    is_legacy_dir,
     one_line,
     read_config,
 )
-
-__all__ = [
-    "ALLOW_PATTERNS",
-    "DownloadProgress",
-    "LoadedModel",
-    "ModelLoadError",
-    "available_memory_bytes",
-    "estimate_weight_bytes",
-    "find_weight_files",
-    "format_bytes",
-    "is_legacy_dir",
-    "legacy_config_to_mlx",
-    "legacy_weight_name",
-    "load_model",
-    "progress_tqdm_class",
-    "resolve_model_path",
-    "save_model_dir",
-    "weights_fingerprint",
-]
 
 # Files save_model_dir copies next to the weights.
 _TOKENIZER_COPY = (

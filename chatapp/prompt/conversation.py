@@ -1,7 +1,7 @@
 """The conversation: its messages, as the user and the model wrote them.
 
 How a conversation becomes the token ids the model sees is a prompt format's job
-(:mod:`chatapp.engine.formats`). A reply is shown and stored as ``content``; ``raw`` keeps the
+(:mod:`chatapp.prompt.formats`). A reply is shown and stored as ``content``; ``raw`` keeps the
 text as the model generated it when that differs (a stripped reply, a SentencePiece model's first
 token's leading space), so that formats render it exactly as the cache holds it.
 """

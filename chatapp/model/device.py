@@ -114,31 +114,6 @@ def activation_float_dtype(model: nn.Module) -> mx.Dtype:
     return max(totals.items(), key=lambda kv: kv[1])[0]
 
 
-def is_quant_param(path: str) -> bool:
-    """The scales/biases of a quantised layer (by name: every MLX quantised module uses these)."""
-    return path.endswith((".scales", ".biases"))
-
-
-def lookup_only_embeddings(model: nn.Module) -> set[str]:
-    """Weight paths of the model's float embedding tables that serve lookups only.
-
-    A model with its own output head (``lm_head``) reads its embedding table one row per token;
-    a tied one also multiplies by the whole table, which must then be in the activations' dtype.
-    """
-    if getattr(model, "lm_head", None) is None:
-        return set()
-    return {f"{name}.weight" for name, m in model.named_modules()
-            if isinstance(m, nn.Embedding) and not isinstance(m, nn.QuantizedEmbedding)}
-
-
-def kept_for_cpu_kernels(model: nn.Module) -> Callable[[str], bool]:
-    """The parameters a CPU load may leave in the checkpoint's dtype: quantised layers' scales
-    and biases (the kernels read float16 ones) and lookup-only embedding tables (rows are cast
-    as they are read; `chatapp.backend.cpu.accelerate_model` installs that)."""
-    tables = lookup_only_embeddings(model)
-    return lambda path: is_quant_param(path) or path in tables
-
-
 def cast_floating(model: nn.Module, dtype: mx.Dtype, skip: Callable[[str], bool] | None = None) -> nn.Module:
     """Cast every floating parameter of ``model`` to ``dtype``, in place; returns the model.
 

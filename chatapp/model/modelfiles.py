@@ -1,7 +1,7 @@
 """What a model folder holds, and the one-line error every loading step raises.
 
-Shared by the hub resolution (:mod:`chatapp.engine.hub`), the legacy npz layout
-(:mod:`chatapp.engine.legacy`) and the loader (:mod:`chatapp.engine.loader`); it imports no MLX.
+Shared by the hub resolution (:mod:`chatapp.model.hub`), the legacy npz layout
+(:mod:`chatapp.model.legacy`) and the loader (:mod:`chatapp.model.loader`); it imports no MLX.
 """
 
 from __future__ import annotations

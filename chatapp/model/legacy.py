@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from chatapp.engine.modelfiles import ModelLoadError, one_line, read_config
+from chatapp.model.modelfiles import ModelLoadError, one_line, read_config
 from chatapp.model.spm_rules import SPM_WORDS, score_ordered_merges
 
 __all__ = ["legacy_config_to_mlx", "legacy_weight_name", "load_legacy_model", "load_legacy_tokenizer"]
@@ -154,7 +154,8 @@ def load_legacy_model(path: Path, files: list[Path], where: str) -> tuple[nn.Mod
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
-        raise ModelLoadError(f"{where}: legacy weights do not fit the model its config describes: {one_line(err)}") from err
+        raise ModelLoadError(
+            f"{where}: legacy weights do not fit the model its config describes: {one_line(err)}") from err
     return model, config
 
 

@@ -10,7 +10,8 @@ and the chat is closed (snapshot saved, store unlocked) when the worker stops.
 
 from __future__ import annotations
 
-from chatapp.engine.worker import EngineWorker, Failed
+from chatapp.engine.events import Failed
+from chatapp.engine.worker import EngineWorker
 
 
 class ChatWorker(EngineWorker):

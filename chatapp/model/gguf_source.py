@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from chatapp.engine.hub import DownloadProgress, _looks_like_path, resolve_gguf_file
-from chatapp.engine.modelfiles import ModelLoadError
+from chatapp.model.hub import DownloadProgress, _looks_like_path, resolve_gguf_file
+from chatapp.model.modelfiles import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
 

@@ -2,7 +2,7 @@
 
 A complete copy in the local hub cache is used without touching the network; otherwise the
 repo is downloaded (unless offline). Every failure the user can cause or fix (unknown repo, no
-network, a gated repo) raises :class:`~chatapp.engine.modelfiles.ModelLoadError` with one line.
+network, a gated repo) raises :class:`~chatapp.model.modelfiles.ModelLoadError` with one line.
 No MLX here.
 """
 
@@ -18,9 +18,10 @@ from typing import Callable
 
 from tqdm.std import tqdm as _std_tqdm
 
-from chatapp.engine.modelfiles import ModelLoadError, folder_complete, one_line
+from chatapp.model.modelfiles import ModelLoadError, folder_complete, one_line
 
-__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "close_repo_names", "local_model_path", "progress_tqdm_class", "resolve_model_path"]
+__all__ = ["ALLOW_PATTERNS", "DownloadProgress", "close_repo_names", "local_model_path", "progress_tqdm_class",
+           "resolve_model_path"]
 
 # What a model download fetches: config, weights (mlx-lm safetensors or legacy npz) and every
 # kind of tokenizer file. Custom *.py model code is fetched but never run (trust_remote_code

@@ -1,0 +1,1 @@
+"""Prompts: the conversation, the prompt formats and the choice among them (no MLX)."""

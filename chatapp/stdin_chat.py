@@ -1,0 +1,173 @@
+"""`chatapp --no-tui`: one turn per stdin line (or the -p prompt), replies on stdout, notes on stderr."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from typing import TextIO
+
+from .errors import UserError
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover - mlx-lm depends on transformers
+        return
+    hf_logging.set_verbosity_error()
+
+
+def _print_notes(chat, printable) -> None:
+    for n in chat.take_notes():
+        print(f"chatapp: {n.level}: {printable(n.text)}", file=sys.stderr)
+
+
+def run_no_tui(args, config, blas) -> int:
+    """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
+
+    Exit status: 0; 2 for a refused or empty -p prompt; 1 when some stdin message was refused;
+    130 after Ctrl-C (a Ctrl-C during a reply only stops that reply when reading stdin);
+    143 after SIGTERM (the reply stops, is saved as interrupted, the snapshot is written).
+    """
+    from .engine.events import TokenEvent, TurnDone
+    from .store import read_lines, resolve_data_dir
+    from .store.chat import ModelIdentity, open_chat
+    from .textsafe import printable
+
+    if args.prompt is not None and not args.prompt.strip():
+        raise UserError("the prompt is empty")  # before anything is loaded or written
+    if args.verbose and blas is not None:
+        print(f"chatapp: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
+    from .engine.setup import load_engine, session_from_config
+
+    loaded = load_engine(config)
+    _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
+    session = session_from_config(config, loaded)
+    if args.verbose and session.format_choice is not None:
+        print(f"chatapp: {session.format_choice.line()}", file=sys.stderr)
+    for note in session.notices:
+        print(f"chatapp: note: {note}", file=sys.stderr)
+    out = sys.stdout
+    safe = printable if out.isatty() else (lambda s: s)
+    err_safe = printable
+
+    # Nothing is written to the data directory before the model has loaded: a bad model,
+    # folder or network leaves no trace there.
+    resume_id = getattr(args, "resume_id", None)
+    chat = open_chat(session, ModelIdentity.from_loaded(loaded, config.model.id), resolve_data_dir(config),
+                     save=not args.no_save, resume=resume_id, snapshot_cap_mb=config.data.snapshot_cap_mb,
+                     prefix_cap_mb=config.data.prefix_cap_mb)
+    _print_notes(chat, err_safe)
+    info = chat.resume_info
+    if info is not None and info.from_snapshot and args.verbose:
+        print(f"chatapp: {info.line()}", file=sys.stderr)
+    pending_resume = info.to_json() if info is not None else None
+
+    stats_file: TextIO | None = None
+    state = {"replying": False, "cancelled": False, "term": False}
+
+    def on_signal(signum, frame):
+        if signum == signal.SIGTERM:
+            state["term"] = True
+        if state["replying"] and not state["cancelled"]:
+            state["cancelled"] = True
+            session.cancel()  # the reply stops at the next token; it is kept, marked interrupted
+            return
+        raise KeyboardInterrupt
+
+    def turn(text: str) -> str:
+        """Returns "ok", "cancelled" or "refused"."""
+        nonlocal pending_resume
+        prepared = chat.prepare(text)
+        for n in prepared.notes:
+            print(f"chatapp: note: {err_safe(n)}", file=sys.stderr)
+        if not prepared.send:
+            print(f"chatapp: error: {prepared.refusal}", file=sys.stderr)
+            return "refused"
+        state["replying"], state["cancelled"] = True, False
+        finish = "ok"
+        try:
+            for ev in chat.send(prepared.text):
+                if isinstance(ev, TokenEvent) and ev.text:
+                    out.write(safe(ev.text))
+                    out.flush()
+                elif isinstance(ev, TurnDone):
+                    state["replying"] = False
+                    out.write("\n")
+                    out.flush()
+                    if stats_file:
+                        row = ev.stats.to_json()
+                        row["conversation_id"] = chat.conversation_id
+                        if pending_resume is not None:
+                            row["resume"] = pending_resume
+                        stats_file.write(json.dumps(row) + "\n")
+                        stats_file.flush()
+                    pending_resume = None
+                    if args.verbose:
+                        for n in ev.stats.notices:
+                            print(f"chatapp: note: {n}", file=sys.stderr)
+                        if ev.stats.prefix_tokens:
+                            print(f"chatapp: {ev.stats.prefix_line()}", file=sys.stderr)
+                        print(f"chatapp: {ev.stats.short()}", file=sys.stderr)
+                    finish = "cancelled" if ev.stats.finish == "cancelled" else "ok"
+                    break
+        finally:
+            state["replying"] = False
+        _print_notes(chat, err_safe)
+        chat.after_turn()  # idle now: the snapshot for --resume, the first turn's prompt for the prefix store
+        _print_notes(chat, err_safe)
+        return finish
+
+    old_int = signal.signal(signal.SIGINT, on_signal)
+    old_term = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
+        if args.prompt is not None:
+            result = turn(args.prompt)
+            if state["term"]:
+                return 143
+            return {"ok": 0, "cancelled": 130, "refused": 2}[result]
+        from cache import CacheConfigError
+
+        from .slash_commands import (
+            CommandError,
+            apply_command,
+            parse_line,
+            validate_command,
+        )
+
+        first, refused = True, False
+        for line in read_lines(sys.stdin.buffer):
+            # Lines starting with "/" are commands (/mode MODE [key=value...], /set key=value...,
+            # /quit; "//text" sends "/text"); the same syntax drives distributed runs.
+            try:
+                cmd = parse_line(line)
+                if cmd is None:
+                    continue  # empty and whitespace-only messages are ignored
+                if cmd.kind == "quit":
+                    break
+                validate_command(session, cmd)
+                if cmd.kind != "send":
+                    print(f"chatapp: {apply_command(session, cmd)}", file=sys.stderr)
+                    continue
+            except (CommandError, CacheConfigError) as e:
+                print(f"chatapp: error: {err_safe(str(e))}", file=sys.stderr)
+                continue
+            if not first:
+                out.write("\n")
+            first = False
+            result = turn(cmd.text)
+            refused = refused or result == "refused"
+            if state["term"]:
+                return 143
+        return 1 if refused else 0
+    except KeyboardInterrupt:
+        return 143 if state["term"] else 130
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+        if stats_file:
+            stats_file.close()
+        chat.close()  # a reply still streaming is kept as interrupted; the snapshot is saved
+        _print_notes(chat, err_safe)
