@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume,prefix} --help",
     )
     p.add_argument("--model", "-m", help="Hugging Face repo id, local folder or .gguf file (default from config)")
-    p.add_argument("--gguf-file", metavar="NAME", help="the GGUF file to use from a repo or folder of several (same as --model REPO:NAME)")
+    p.add_argument("--gguf-file", metavar="NAME",
+                   help="the GGUF file to use from a repo or folder of several (same as --model REPO:NAME)")
     p.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
     p.add_argument("--no-tui", action="store_true", help="no terminal UI: read stdin or -p, write replies to stdout")
     p.add_argument("-p", "--prompt", help="one turn with this text (with --no-tui)")
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         config = load_config(args.config, overrides_from(args))
         if args.gguf_file:
-            from .engine.gguf_source import with_gguf_file
+            from .model.gguf_source import with_gguf_file
 
             config.model.id = with_gguf_file(config.model.id, args.gguf_file)
         if args.show_config:
@@ -187,10 +188,10 @@ def describe_format(config) -> str:
 def _describe_gguf(spec: str):
     """(lines about the GGUF file, its RepoFacts) when ``spec`` names one on disk, else None; a file
     that cannot be used says why in its lines. Reads the header only: no MLX, no tensors."""
-    from .engine.formatchoice import CHATML_TOKENS, RepoFacts
-    from .engine.gguf_source import local_gguf
     from .model.gguf import config_from_header, describe, open_gguf
     from .model.gguf_file import GGUFError
+    from .model.gguf_source import local_gguf
+    from .prompt.choice import CHATML_TOKENS, RepoFacts
 
     path = local_gguf(spec)
     if path is None:

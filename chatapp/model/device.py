@@ -28,6 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from chatapp.backend.params import kept_for_cpu_kernels
+
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
     "float16": mx.float16,

@@ -207,7 +207,8 @@ def load_gguf(path: str | Path) -> GGUFModel:
     model = model_class(args_class.from_dict(config))
     quant = config.get("quantization", {})
     if quant:
-        nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if isinstance(quant.get(p), dict) else False)
+        nn.quantize(model,
+                    class_predicate=lambda p, m: quant.get(p, False) if isinstance(quant.get(p), dict) else False)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as err:
