@@ -480,7 +480,7 @@ def resolve_gguf_file(
 
     The cache is looked at first (a cached file needs no network); offline, only the cache.
     """
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     cache_dir = _hf_cache_dir()
@@ -500,17 +500,11 @@ def resolve_gguf_file(
             return None  # not a cached GGUF repo: the folder path says what is missing
         raise ModelLoadError(f"offline mode is on and {repo_id}{':' + filename if filename else ''} is not in the "
                              f"local cache ({cache_dir})")
-    try:
-        remote = HfApi().list_repo_files(repo_id)
-    except Exception as err:  # noqa: BLE001
-        mapped = _hub_error(repo_id, err, cache_dir)
-        if filename is None:
-            return None  # the ordinary download reports it
-        raise (mapped or ModelLoadError(f"listing {repo_id} failed: {one_line(err)}")) from err
-    names = sorted(n for n in remote if n.lower().endswith(".gguf") and "/" not in n)
-    if filename is None and (not names or "config.json" in remote):
+    if filename is None:
+        # no online listing: the hub client retries an unreachable hub for ~20 s before every
+        # download, and an ordinary repo is the common case (its download reports what is missing)
         return None
-    name = _gguf_choice(repo_id, names, filename)
+    name = filename
     tqdm_class = progress_tqdm_class(progress, None)
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=[name], cache_dir=str(cache_dir),
@@ -521,4 +515,7 @@ def resolve_gguf_file(
             raise ModelLoadError(f"downloading {repo_id}:{name} failed: {one_line(err)}") from err
         raise mapped from err
     tqdm_class._tracker.finish()
+    if not (path / name).is_file():
+        found = sorted(p.name for p in path.glob("*.gguf"))
+        raise ModelLoadError(f"{repo_id} has no file {name!r}" + (f" (it has: {', '.join(found)})" if found else ""))
     return path / name
