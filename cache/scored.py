@@ -87,9 +87,19 @@ class ScoredKVCache(SegmentedKVCache):
                          budget=settings.budget, repositioner=repositioner)
         self.scores = mx.zeros((0,), mx.float32)
         self.last_dropped: list[int] = []  # held indices the last eviction removed (tests, stats)
+        # Trailing held tokens that follow each other in the conversation with nothing evicted
+        # between them: only these can be trimmed and re-used token-exactly (the engine asks).
+        self._tail = 0
+
+    @property
+    def contiguous_tail(self) -> int:
+        if self._pending:
+            self._maintain()
+        return self._tail
 
     def absorb(self, keys: mx.array, values: mx.array) -> None:
         super().absorb(keys, values)
+        self._tail += keys.shape[2]
         self._fit_scores()
 
     def _fit_scores(self) -> None:
@@ -111,6 +121,7 @@ class ScoredKVCache(SegmentedKVCache):
 
     def trim(self, n: int) -> int:
         done = super().trim(n)
+        self._tail = max(0, self._tail - done)
         self._fit_scores()
         return done
 
@@ -147,6 +158,7 @@ class ScoredKVCache(SegmentedKVCache):
         self.full.trim(held)
         self.full.append(k, v)
         self.evicted += n
+        self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
 
     # ---- persistence: [keys, values, scores], so a restored cache evicts as the saved one would
     @property
@@ -170,6 +182,24 @@ class ScoredKVCache(SegmentedKVCache):
                 raise CacheStateError(f"scores of shape {tuple(v[2].shape)} do not fit {self.full.length} tokens")
             self.scores = v[2].astype(mx.float32)
         self._fit_scores()
+
+    @property
+    def meta_state(self):
+        return (*SegmentedKVCache.meta_state.fget(self), str(self._tail))
+
+    @meta_state.setter
+    def meta_state(self, v):
+        v = tuple(v)
+        if len(v) != 3:
+            raise CacheStateError(f"scored meta state must be (delta_q, evicted, contiguous_tail), got {v!r}")
+        SegmentedKVCache.meta_state.fset(self, v[:2])
+        try:
+            tail = int(v[2])
+        except (TypeError, ValueError):
+            raise CacheStateError(f"contiguous_tail must be an integer, got {v[2]!r}") from None
+        if not 0 <= tail <= self._held():
+            raise CacheStateError(f"contiguous_tail {tail} is outside 0..{self._held()}")
+        self._tail = tail
 
     def attention_sparsity(self) -> float | None:
         """Share of the accumulated attention mass on tokens the policy could evict (the middle)."""

@@ -67,7 +67,7 @@ CONFIG_FILE_NAME = "config.toml"
 
 # The cache modes a user can choose ("auto" plus cache.settings.MODES); kept here, MLX-free,
 # for the CLI and the UI.
-CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant")
+CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
 # The prompt formats ("auto" plus engine.formats.FORMAT_NAMES).
 CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
 

@@ -105,3 +105,16 @@ def test_scored_state_round_trip_keeps_scores_and_evicts_alike():
     b = decode(model, restored, more, prefill=1)
     assert mx.array_equal(a, b).item()
     assert (live[0].evicted, live[0].last_dropped) == (restored[0].evicted, restored[0].last_dropped)
+
+
+def test_contiguous_tail_tracks_what_can_be_trimmed_and_survives_restore():
+    model = tiny_llama(layers=1)
+    s = CacheSettings(mode="scored", sinks=4, window=24, evict_chunk=8, max_kv_tokens=56)
+    caches = make_caches(model, s)
+    decode(model, caches, random_ids(100, seed=3), prefill=20)
+    c = caches[0]
+    tail = c.contiguous_tail
+    assert c.evicted > 0 and s.window <= tail < c.offset - s.sinks
+    assert c.trim(5) == 5 and c.contiguous_tail == tail - 5
+    restored = restore_caches(model, s, [x.state for x in caches], [x.meta_state for x in caches])
+    assert restored[0].contiguous_tail == tail - 5

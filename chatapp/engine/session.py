@@ -241,7 +241,11 @@ class Session:
             common -= 1  # the last prompt token must run again to give the next token's logits
         evicted = self.caches[0].evicted
         sinks = self.settings.sinks if self.settings.evicts else 0
-        if evicted and common < sinks + evicted:
+        # Tokens before this conversation index may have been evicted: the window modes evict
+        # the oldest non-sinks; the scored mode anywhere before its contiguous tail.
+        tail = getattr(self.caches[0], "contiguous_tail", None)
+        floor = sinks + evicted if tail is None else len(self.cached) - tail
+        if evicted and common < floor:
             # The divergence lies in history the window already dropped: start over.
             self._reset_caches()
             return 0
