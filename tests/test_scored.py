@@ -118,3 +118,21 @@ def test_contiguous_tail_tracks_what_can_be_trimmed_and_survives_restore():
     assert c.trim(5) == 5 and c.contiguous_tail == tail - 5
     restored = restore_caches(model, s, [x.state for x in caches], [x.meta_state for x in caches])
     assert restored[0].contiguous_tail == tail - 5
+
+
+def test_attention_sparsity_is_the_middle_share_and_shown_in_the_status_bar():
+    from chatapp.engine.stats import CacheView
+    from chatapp.ui.format import status_items
+
+    model = tiny_llama(layers=1)
+    s = CacheSettings(mode="scored", sinks=4, window=24, evict_chunk=8, max_kv_tokens=56)
+    caches = make_caches(model, s)
+    decode(model, caches, random_ids(90, seed=4), prefill=20)
+    c = caches[0]
+    share = c.attention_sparsity()
+    start, end = c.evictable()
+    want = c.scores[start:end].sum().item() / c.scores.sum().item()
+    assert 0 < share < 1 and abs(share - want) < 1e-6
+    items = status_items("m", "scored", None, CacheView(mode="scored", attention_sparsity=share))
+    assert any(i.label == "attn on evictable" and i.value == f"{share:.0%}" for i in items)
+    assert not any(i.label == "attn on evictable" for i in status_items("m", "window", None, CacheView(mode="window")))

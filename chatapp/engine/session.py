@@ -481,7 +481,13 @@ class Session:
             memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
+            attention_sparsity=self._attention_sparsity(),
         )
+
+    def _attention_sparsity(self) -> float | None:
+        """Mean over layers of the scored caches' evictable attention share (None otherwise)."""
+        shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
+        return sum(shares) / len(shares) if shares else None
 
 
 @dataclass

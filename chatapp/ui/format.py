@@ -208,6 +208,8 @@ def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheVie
         *memory_items(memory, c.bytes_held),
         StatusItem("full/quant/evicted", f"{c.full_tokens:,}/{c.quant_tokens:,}/{c.evicted:,}"),
     ]
+    if c.attention_sparsity is not None:
+        items.append(StatusItem("attn on evictable", f"{c.attention_sparsity:.0%}"))
     if phase:
         items.insert(1, StatusItem("", phase, "italic"))
     return items
