@@ -117,18 +117,22 @@ def test_quality_bench_smoke(tmp_path, monkeypatch):
     args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "120", "--split", "64",
                              "--prefill", "8", "--window", "32", "--evict-chunk", "16", "--max-kv-tokens", "64",
                              "--quant-start", "32", "--cache-mode", "window,prealloc,quantized",
-                             "--json", str(js), "--plot", str(png)])
+                             "--budgets", "40", "--json", str(js), "--plot", str(png)])
     assert quality_bench.run(args) == 0
     data = check_files(js, png)
-    assert data["columns"][:5] == ["mode", "tokens", "held at end", "ppl all", "ppl after 64"]
+    assert data["columns"][:6] == ["mode", "tokens", "held at end", "KV bytes held", "ppl all", "ppl after 64"]
     rows = {r[0]: r for r in data["rows"]}
-    assert list(rows) == ["prealloc", "window", "quantized"]  # prealloc first: the reference
+    assert list(rows) == ["prealloc", "window", "quantized", "window@40", "scored@40"]  # prealloc first
     assert rows["prealloc"][1] == 120 and rows["prealloc"][2] == 119
     assert rows["window"][2] < 119  # evicted
-    assert float(rows["prealloc"][5]) == 1.0 and float(rows["prealloc"][6]) == 0
-    assert float(rows["window"][6]) >= 0
+    assert rows["scored@40"][2] < 119 and rows["scored@40"][3] < rows["prealloc"][3]
+    # equal budgets hold equal bytes (both full precision; held counts may differ by < one chunk)
+    per_tok = rows["prealloc"][3] / rows["prealloc"][2]
+    assert rows["scored@40"][3] == rows["scored@40"][2] * per_tok
+    assert float(rows["prealloc"][6]) == 1.0 and float(rows["prealloc"][7]) == 0
+    assert float(rows["window"][7]) >= 0
     for r in data["rows"]:
-        assert r[3] > 1 and r[4] > 1 and not math.isnan(r[3])
+        assert r[4] > 1 and r[5] > 1 and not math.isnan(r[4])
 
 
 def test_quality_bench_skips_quantised_kv_on_head_dim_8(tmp_path, stories4_path):
