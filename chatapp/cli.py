@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Saved conversations: chatapp sessions {list,export,rename,delete,prefixes} --help. "
         "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume,prefix} --help",
     )
-    p.add_argument("--model", "-m", help="Hugging Face repo id or local folder (default from config)")
+    p.add_argument("--model", "-m", help="Hugging Face repo id, local folder or .gguf file (default from config)")
+    p.add_argument("--gguf-file", metavar="NAME", help="the GGUF file to use from a repo or folder of several (same as --model REPO:NAME)")
     p.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
     p.add_argument("--no-tui", action="store_true", help="no terminal UI: read stdin or -p, write replies to stdout")
     p.add_argument("-p", "--prompt", help="one turn with this text (with --no-tui)")
@@ -129,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             return sessions_main(argv[1:])
         args = build_parser().parse_args(argv)
         config = load_config(args.config, overrides_from(args))
+        if args.gguf_file:
+            from .engine.gguf_source import with_gguf_file
+
+            config.model.id = with_gguf_file(config.model.id, args.gguf_file)
         if args.show_config:
             print(config.describe_text())
             _print_cpu_backend(config)
@@ -171,12 +176,37 @@ def describe_format(config) -> str:
 
     request = FormatRequest.from_config(config)
     spec = config.model.id
+    gguf = _describe_gguf(spec)
+    if gguf is not None:
+        lines, facts = gguf
+        return "\n# ".join(lines + [choose_format(request, facts).line()])
     found = local_model_path(spec)
     if found is None and request.format == "auto" and not request.template and not request.raw:
         return (f"prompt format: chosen when {spec} is downloaded (auto: its chat template, else what its id "
                 "and files tell)")
     facts = RepoFacts.from_folder(found[1], found[0]) if found else RepoFacts(spec, {}, False, False)
     return choose_format(request, facts).line()
+
+
+def _describe_gguf(spec: str):
+    """(lines about the GGUF file, its RepoFacts) when ``spec`` names one on disk, else None; a file
+    that cannot be used says why in its lines. Reads the header only: no MLX, no tensors."""
+    from .engine.formatchoice import CHATML_TOKENS, RepoFacts
+    from .engine.gguf_source import local_gguf
+    from .model.gguf import config_from_header, describe, open_gguf
+    from .model.gguf_file import GGUFError
+
+    path = local_gguf(spec)
+    if path is None:
+        return None
+    try:
+        header = open_gguf(path)
+    except GGUFError as e:
+        return [f"GGUF file: {path}: cannot be used: {e}"], RepoFacts(spec, {}, False, False)
+    tokens = set(header.get("tokenizer.ggml.tokens") or [])
+    facts = RepoFacts(spec, config_from_header(header), bool(header.get("tokenizer.chat_template")),
+                      all(t in tokens for t in CHATML_TOKENS))
+    return describe(header), facts
 
 
 def _print_cpu_backend(config) -> None:

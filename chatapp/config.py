@@ -40,6 +40,7 @@ __all__ = [
     "APP_NAME",
     "CONFIG_DIR_ENV",
     "CACHE_MODES",
+    "NUMERICS",
     "CHAT_FORMATS",
     "SOURCE_DEFAULT",
     "SOURCE_COMMAND_LINE",
@@ -67,6 +68,8 @@ CONFIG_FILE_NAME = "config.toml"
 
 # The cache modes a user can choose ("auto" plus cache.settings.MODES); kept here, MLX-free,
 # for the CLI and the UI.
+# cpu.numerics: the fused decode step's 4-bit products (backend/cpu.py validates against this too)
+NUMERICS = ("exact", "fast")
 CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
 # The prompt formats ("auto" plus engine.formats.FORMAT_NAMES).
 CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
@@ -354,6 +357,8 @@ class CpuConfig:
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
     fast_attention: bool = _setting(True, _Bool())
     numpy_matvec: bool = _setting(True, _Bool())
+    fused_decode: bool = _setting(True, _Bool())
+    numerics: str = _setting("exact", _Choice(*NUMERICS))
 
 
 @dataclass

@@ -57,13 +57,16 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
     out = tmp_path / "flagship.json"
     rc = main(["cpu", "--geometry", "llama2-7b", "--model-dir", str(tmp_path / "m"), "--prompt", "24",
                "--short", "6", "--greedy", "4", "--decode-tokens", "3", "--contexts", "300",
-               "--long-tokens", "2", "--peers", "chatapp,mlx-lm", "--load-rounds", "1", "--json", str(out)])
+               "--long-tokens", "2", "--peers", "chatapp,chatapp-unfused,mlx-lm", "--load-rounds", "1", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "physical limit:" in text and "greedy tokens equal to mlx-lm's on the first 4" in text
     data = json.loads(out.read_text())
     rows = {r[0]: r for r in data["rows"]}
-    assert set(rows) == {"chatapp", "mlx-lm"} and rows["chatapp"][-1] == "yes"
+    same_mlx, same_unfused = data["columns"].index("greedy = mlx-lm"), data["columns"].index("greedy = chatapp-unfused")
+    assert set(rows) == {"chatapp", "chatapp-unfused", "mlx-lm"}
+    assert rows["chatapp"][same_mlx] == "yes" and rows["chatapp"][same_unfused] == "yes"
+    assert rows["chatapp-unfused"][same_mlx] == "yes"
     long = {(r[0], r[1]) for r in data["meta"]["long"]["rows"]}
-    assert long == {("chatapp prealloc", 300), ("chatapp window-quant", 300), ("mlx-lm", 300)}
+    assert long == {("chatapp prealloc", 300), ("chatapp window-quant", 300), ("chatapp-unfused", 300), ("mlx-lm", 300)}
     assert all(r[3] > 0 for r in data["meta"]["long"]["rows"])

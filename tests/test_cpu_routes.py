@@ -78,7 +78,8 @@ def test_unsupported_layers_fall_back_to_mlx_with_the_reason():
     assert close(m3(x), ref(x))
 
     small = model()
-    plan = accelerate_model(small, backend="cpu")  # the default: 256x256 layers are too small
+    # the default unfused: 256x256 layers are too small (a fused model takes the kernel for all)
+    plan = accelerate_model(small, backend="cpu", fused_decode=False)
     assert all(r.route == "mlx" and "under 1024x1024" in r.why for r in plan.routes)
 
 
@@ -134,7 +135,9 @@ def test_session_reply_equals_mlx_lm_with_kernels_on():
     shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=64, intermediate_size=512, vocab_size=258)
     ref, fast = model(shape=shape, seed=5), model(shape=shape, seed=5)
-    plan = apply_fast_path(fast, backend="cpu", kernel_min_elements=0)
+    # unfused, so that decode steps go through the decode attention kernel (test_fused_decode
+    # has the same reply through the fused step)
+    plan = apply_fast_path(fast, backend="cpu", kernel_min_elements=0, fused_decode=False)
     assert plan.kernel_layers and decode_kernels()[0] is not None
     calls = []
     real = decode_attention.decode_full

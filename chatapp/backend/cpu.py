@@ -20,6 +20,7 @@ numba single-query kernels for decode steps (decode_attention.py).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -36,6 +37,7 @@ from .qlinear import (  # noqa: F401 (CpuQuantized*, _numpy_matvec: re-exported)
 
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("auto", "off")
+from chatapp.config import NUMERICS  # noqa: E402  (the one list of cpu.numerics values)
 KERNEL_MAX_TOKENS = 4  # packed-weight products up to this many tokens; dequantise + gemm above
 
 
@@ -84,6 +86,7 @@ class CpuPlan:
     routes: list[LayerRoute] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     attention: str = ""  # set by apply_fast_path: the prefill and decode attention routes
+    fused_decode: str = ""  # whether single-token steps run as one native call per token, or why not
     warm_up_seconds: float = 0.0  # compiling / loading the kernels the plan uses
     cast_lookups: list[str] = field(default_factory=list)  # embedding tables kept as stored, rows cast
 
@@ -102,7 +105,7 @@ class CpuPlan:
         return lines
 
     def summary(self) -> str:
-        tail = f"; {self.attention}" if self.attention else ""
+        tail = "".join(f"; {t}" for t in (self.attention, self.fused_decode) if t)
         if not self.applied:
             return f"cpu fast path: off ({self.reason}){tail}"
         total = len(self.layers) + len(self.embeddings)
@@ -151,6 +154,8 @@ def accelerate_model(
     threads: int = 0,
     kernel_min_elements: int = NUMPY_MIN_ELEMENTS,
     warm_up: bool = True,
+    fused_decode: bool = True,
+    numerics: str = "exact",
 ) -> CpuPlan:
     """Give a quantised model's products the CPU fast path; a no-op on other backends.
 
@@ -161,7 +166,11 @@ def accelerate_model(
     the packed kernels, longer ones dequantise blocks + gemm. threads: kernel threads (0: one
     per core). kernel_min_elements: smaller weights stay on MLX (a kernel call's sync costs
     more than they save; tests lower it). warm_up: compile (or load from numba's disk cache) the
-    kernels the plan uses now rather than in the first reply. dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
+    kernels the plan uses now rather than in the first reply. fused_decode: a Llama-style model
+    whose projections the kernels all support runs each single-token step as one native call
+    (fused_decode.py); every supported projection then takes the kernel route, since
+    decode no longer pays a dispatch per small layer. numerics: "exact" or "fast" (the fused
+    step's 4-bit rows against int8-quantised activations, kernels/int8dot.py). dense_weights: "on" keeps a float32 copy of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
     memory); "off" never. dense_prefill_threshold: MLX-routed calls with more tokens than this
@@ -178,6 +187,8 @@ def accelerate_model(
         raise ValueError("dense_prefill_threshold must be >= 0")
     if kernel_max_tokens < 1:
         raise ValueError("kernel_max_tokens must be >= 1")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, not {numerics!r}")
     from chatapp.backend.blas import current_blas
 
     plan = CpuPlan(backend=backend, applied=False, reason="", dense_prefill_threshold=dense_prefill_threshold,
@@ -200,6 +211,13 @@ def accelerate_model(
     if not targets:
         plan.reason = "the model has no quantised layers"
         return plan
+    fuse = None
+    if fused_decode and kernels_ok and dense_weights != "on":
+        from .fused_decode import fused_unsupported
+
+        fuse = fused_unsupported(model)
+        if fuse is None:
+            kernel_min_elements = 0  # decode dispatches once per token, not once per projection
     targets.sort(key=lambda t: _natural(t[0]))  # model order: layers.2 before layers.10
     targets.sort(key=lambda t: _is_output_head(*t))  # then the head, last
     replaced = {}
@@ -243,6 +261,15 @@ def accelerate_model(
         from .warmup import warm_up_kernels
 
         plan.warm_up_seconds = warm_up_kernels(replaced[n] for n in plan.kernel_layers)
+    from .fused_decode import install_fused_decode, uninstall_fused_decode
+
+    uninstall_fused_decode(model)
+    if fuse is None and fused_decode and kernels_ok and dense_weights != "on":
+        start = time.perf_counter()
+        plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics)
+        plan.warm_up_seconds += time.perf_counter() - start
+    else:
+        plan.fused_decode = f"fused decode: off ({fuse or _fused_off_reason(fused_decode, kernels_ok)})"
     reasons = []
     if not kernels_ok:
         reasons.append(kernels_why)
@@ -265,6 +292,12 @@ def accelerate_model(
             "quantized_matmul on the CPU is 7-30x slower in half precision; cast the model to float32"
         )
     return plan
+
+
+def _fused_off_reason(fused_decode: bool, kernels_ok: bool) -> str:
+    if not fused_decode:
+        return "cpu.fused_decode = false"
+    return "no kernels" if not kernels_ok else "dense_weights = on"
 
 
 def _is_output_head(name: str, module: nn.Module) -> bool:

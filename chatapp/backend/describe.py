@@ -31,6 +31,15 @@ def cpu_backend_lines(cpu) -> list[str]:
             lines.append(f"prefill gemm: {numpy_blas().describe()}")
             lines.append("decode attention: kernel (float32 and quantised KV read in place)"
                          if cpu.fast_attention else "decode attention: MLX SDPA (cpu.fast_attention = false)")
+            from chatapp.backend.fused_decode import FUSED_MODEL_TYPES
+
+            lines.append(f"fused decode: one native call per token for {'/'.join(FUSED_MODEL_TYPES)} models with "
+                         "kernel-readable projections and a prealloc cache (every such projection then takes the kernel)"
+                         if cpu.fused_decode else "fused decode: off (cpu.fused_decode = false)")
+            if cpu.fused_decode:
+                from chatapp.backend.fused_decode import numerics_line
+
+                lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics})")
     if cpu.dense_weights == "on":
         lines.append("dense_weights = on: every quantised layer keeps a float32 copy (8x the 4-bit bytes)")
     return lines

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 BENCHES = {
     "cache": "chatapp.bench.cache_bench",
@@ -18,6 +19,7 @@ BENCHES = {
     "resume": "chatapp.bench.resume_bench",
     "prefix": "chatapp.bench.prefix_bench",
     "distributed": "chatapp.bench.distributed_bench",
+    "numerics": "chatapp.bench.numerics_bench",
 }
 
 
@@ -38,4 +40,10 @@ def main(argv: list[str]) -> int:
         p.add_argument("--plot", metavar="FILE", help="draw a PNG plot")
         mod.add_arguments(p)
     args = parser.parse_args(argv)
-    return modules[args.bench].run(args)
+    try:
+        return modules[args.bench].run(args)
+    except Exception as e:  # a model that does not load is one line, as in the app (exit 2)
+        if type(e).__name__ not in ("ModelLoadError", "SetupError"):
+            raise
+        print(f"chatapp bench {args.bench}: error: {e}", file=sys.stderr)
+        return 2

@@ -53,7 +53,7 @@ def _fill_layer_by_layer(caches, geom, context: int, seed: int) -> None:
 # --- chatapp ----------------------------------------------------------------------------------
 
 
-def run_chatapp(spec: dict) -> dict:
+def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") -> dict:
     import mlx.core as mx
 
     from cache import CacheSettings, make_caches, model_geometry
@@ -64,10 +64,12 @@ def run_chatapp(spec: dict) -> dict:
 
     t0 = time.perf_counter()
     lm = load_model(spec["model"], cast_scales=False)
-    plan = apply_fast_path(lm.model, backend="cpu", threads=spec.get("threads", 0))
+    plan = apply_fast_path(lm.model, backend="cpu", threads=spec.get("threads", 0), fused_decode=fused_decode,
+                           numerics=numerics)
     load_s = time.perf_counter() - t0
     model = lm.model
-    res: dict = {"peer": "chatapp", "load_s": load_s, "rss_after_load": _peak_rss(), "plan": plan.details(),
+    name = "chatapp-unfused" if not fused_decode else ("chatapp-fast" if numerics == "fast" else "chatapp")
+    res: dict = {"peer": name, "load_s": load_s, "rss_after_load": _peak_rss(), "plan": plan.details(),
                  "warm_up_s": plan.warm_up_seconds}
     if spec.get("load_only"):
         return res
@@ -192,7 +194,18 @@ def run_llama_cpp(spec: dict) -> dict:
     return res
 
 
-PEERS = {"chatapp": run_chatapp, "mlx-lm": run_mlx_lm, "llama.cpp": run_llama_cpp}
+def run_chatapp_unfused(spec: dict) -> dict:
+    """chatapp with ``cpu.fused_decode = false``: the per-projection route the fused step replaced."""
+    return run_chatapp(spec, fused_decode=False)
+
+
+def run_chatapp_fast(spec: dict) -> dict:
+    """chatapp with ``cpu.numerics = fast`` (int8 activations in the fused step's 4-bit rows)."""
+    return run_chatapp(spec, numerics="fast")
+
+
+PEERS = {"chatapp": run_chatapp, "chatapp-unfused": run_chatapp_unfused, "chatapp-fast": run_chatapp_fast, "mlx-lm": run_mlx_lm,
+         "llama.cpp": run_llama_cpp}
 
 
 def main(argv: list[str]) -> int:

@@ -77,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of cache modes (default: every mode the model supports)")
     p.add_argument("--split", type=int, default=512, help="also report perplexity after this position (default 512)")
     p.add_argument("--prefill", type=int, default=1, help="tokens prefilled in one go before stepping (default 1)")
+    p.add_argument("--chunked", action="store_true",
+                   help="score the whole text teacher-forced in chunks (the evict chunk for evicting modes, "
+                        "512 tokens otherwise) instead of one token per step: much faster")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also score the same tokens with llama.cpp (llama_cpp, logits of every position) when "
+                        "--model is a GGUF file and llama_cpp is importable")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--max-kv-tokens", type=int, default=4096)
@@ -227,6 +233,29 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
                 evicted=evicted, max_held=max_held, kv_bytes=total_usage(caches).bytes_held)
 
 
+def llama_cpp_ppl(args, tokens: list[int]) -> dict[str, Any] | None:
+    """log p(next true token) at every position from llama.cpp on the same GGUF file and tokens."""
+    import numpy as np
+
+    if not str(args.model).lower().endswith(".gguf"):
+        print("# llama.cpp: skipped (--model is not a .gguf file)")
+        return None
+    try:
+        import llama_cpp
+    except ImportError:
+        print("# llama.cpp: skipped (llama_cpp is not importable)")
+        return None
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=str(args.model), n_ctx=len(tokens) + 8, n_batch=512, logits_all=True,
+                          verbose=False)
+    llm.eval(tokens)
+    scores = np.asarray(llm.scores[: len(tokens) - 1], dtype=np.float64)
+    m = scores.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(scores - m).sum(axis=-1, keepdims=True)))[:, 0]
+    lps = scores[np.arange(len(tokens) - 1), tokens[1:]] - lse
+    return dict(lps=lps, seconds=time.perf_counter() - t0, version=getattr(llama_cpp, "__version__", "?"))
+
+
 def ppl(lps) -> float:
     return math.exp(-float(lps.mean())) if len(lps) else float("nan")
 
@@ -279,13 +308,16 @@ def run(args) -> int:
         if notes:
             notes_all[mode] = notes
             print(f"# {mode}: " + "; ".join(notes))
-        r = score(model, settings, geom, tokens, args.prefill, keep)
+        r = score(model, settings, geom, tokens, n if args.chunked else args.prefill, keep)
         r["settings"] = settings
         results[mode] = r
         print(f"# {mode}: ppl {ppl(r['lps']):.3f}, after {split}: {ppl(r['lps'][split:]):.3f} "
               f"({r['seconds']:.1f} s, holds {r['held']}, evicted {r['evicted']})")
         mx.clear_cache()
 
+    llama_cpp = llama_cpp_ppl(args, tokens) if args.llama_cpp else None
+    if llama_cpp is not None:
+        print(f"# llama.cpp: ppl {ppl(llama_cpp['lps']):.3f} ({llama_cpp['seconds']:.1f} s)")
     ref = results.get("prealloc")
     rep = BenchReport(f"quality: teacher-forced perplexity per cache mode (split at {split})",
                       ["mode", "tokens", "held at end", "KV bytes held", "ppl all", f"ppl after {split}",
@@ -302,6 +334,10 @@ def run(args) -> int:
         rep.add(mode, n, r["held"], r["kv_bytes"], round(ppl(r["lps"]), 4), round(after, 4),
                 f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a")
 
+    if llama_cpp is not None:
+        rep.add("llama.cpp", n, n, round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
+                f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a")
+        rep.meta["llama.cpp"] = f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, {llama_cpp['seconds']:.1f} s"
     rep.meta.update(
         model=desc, text=source, tokens=n, split=split, prefill=args.prefill,
         method="teacher forcing through model(token, cache=make_caches(mode)); ppl = exp(-mean log p(next true token)); "

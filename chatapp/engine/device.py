@@ -99,6 +99,21 @@ def checkpoint_float_dtype(model: nn.Module) -> mx.Dtype:
     return max(totals.items(), key=lambda kv: kv[1])[0]
 
 
+def activation_float_dtype(model: nn.Module) -> mx.Dtype:
+    """The float dtype the model computes (and so keeps its K/V) in: that of most float
+    parameters, leaving out those a CPU load keeps as stored (quantised layers' float16
+    scales/biases, lookup-only tables), which the kernels read as they are while activations
+    stay in the other dtype."""
+    kept = kept_for_cpu_kernels(model)
+    totals: dict[mx.Dtype, int] = {}
+    for path, p in tree_flatten(model.parameters()):
+        if is_floating(p.dtype) and not kept(path):
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
+    if not totals:
+        return checkpoint_float_dtype(model)
+    return max(totals.items(), key=lambda kv: kv[1])[0]
+
+
 def is_quant_param(path: str) -> bool:
     """The scales/biases of a quantised layer (by name: every MLX quantised module uses these)."""
     return path.endswith((".scales", ".biases"))

@@ -448,3 +448,76 @@ def resolve_model_path(
         raise mapped from err
     tqdm_class._tracker.finish()
     return Path(path), repo_id
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF repos: one file of a repo, not a snapshot
+
+
+def _gguf_choice(repo_id: str, names: list[str], filename: str | None) -> str:
+    """The GGUF file to use among ``names``; ModelLoadError when it is not there or not chosen."""
+    if filename is not None:
+        if filename not in names:
+            listed = f"its GGUF files: {', '.join(names)}" if names else "it holds no GGUF files"
+            raise ModelLoadError(f"{repo_id} has no file {filename!r} ({listed})")
+        return filename
+    if len(names) > 1:
+        raise ModelLoadError(f"{repo_id} holds {len(names)} GGUF files; choose one with --gguf-file NAME or "
+                             f"{repo_id}:NAME: {', '.join(names)}")
+    return names[0]
+
+
+def resolve_gguf_file(
+    repo_id: str,
+    filename: str | None = None,
+    *,
+    progress: Callable[[DownloadProgress], None] | None = None,
+    offline: bool | None = None,
+) -> Path | None:
+    """The local path of a repo's GGUF file (``filename``, or its only one), downloading it if
+    needed; None when the repo is an ordinary (config.json) model repo and no file was named.
+
+    The cache is looked at first (a cached file needs no network); offline, only the cache.
+    """
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    cache_dir = _hf_cache_dir()
+    offline = _env_offline() if offline is None else offline
+    try:
+        cached = Path(snapshot_download(repo_id, allow_patterns=["*.gguf", "config.json"],
+                                        cache_dir=str(cache_dir), local_files_only=True))
+    except HFValidationError as err:
+        raise ModelLoadError(f"{repo_id!r} is neither a local path nor a valid Hugging Face repo id") from err
+    except Exception:  # noqa: BLE001 - not cached
+        cached = None
+    local = sorted(p.name for p in cached.glob("*.gguf")) if cached else []
+    if cached and (filename in local or (filename is None and local and not (cached / "config.json").exists())):
+        return cached / _gguf_choice(repo_id, local, filename)
+    if offline:
+        if filename is None and not local:
+            return None  # not a cached GGUF repo: the folder path says what is missing
+        raise ModelLoadError(f"offline mode is on and {repo_id}{':' + filename if filename else ''} is not in the "
+                             f"local cache ({cache_dir})")
+    try:
+        remote = HfApi().list_repo_files(repo_id)
+    except Exception as err:  # noqa: BLE001
+        mapped = _hub_error(repo_id, err, cache_dir)
+        if filename is None:
+            return None  # the ordinary download reports it
+        raise (mapped or ModelLoadError(f"listing {repo_id} failed: {one_line(err)}")) from err
+    names = sorted(n for n in remote if n.lower().endswith(".gguf") and "/" not in n)
+    if filename is None and (not names or "config.json" in remote):
+        return None
+    name = _gguf_choice(repo_id, names, filename)
+    tqdm_class = progress_tqdm_class(progress, None)
+    try:
+        path = Path(snapshot_download(repo_id, allow_patterns=[name], cache_dir=str(cache_dir),
+                                      tqdm_class=tqdm_class, max_workers=1))
+    except Exception as err:  # noqa: BLE001
+        mapped = _hub_error(repo_id, err, cache_dir)
+        if mapped is None:
+            raise ModelLoadError(f"downloading {repo_id}:{name} failed: {one_line(err)}") from err
+        raise mapped from err
+    tqdm_class._tracker.finish()
+    return path / name

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from chatapp.engine.modelfiles import ModelLoadError, one_line, read_config
+from chatapp.model.spm_rules import SPM_WORDS, score_ordered_merges
 
 __all__ = ["legacy_config_to_mlx", "legacy_weight_name", "load_legacy_model", "load_legacy_tokenizer"]
 
@@ -157,28 +158,12 @@ def load_legacy_model(path: Path, files: list[Path], where: str) -> tuple[nn.Mod
     return model, config
 
 
-# SentencePiece's split_by_whitespace: a "word" starts at a space ("▁"); with
-# allow_whitespace_only_pieces a run of spaces stays with the word that follows it.
-_SPM_WORDS = {True: "\u2581*[^\u2581]+|\u2581+", False: "\u2581[^\u2581]*|[^\u2581]+"}
 _SPM_NORMAL = 1  # ModelProto.SentencePiece.Type.NORMAL
 
 
 def _score_ordered_merges(proto) -> list[tuple[str, str]]:
-    """BPE merges ranked as SentencePiece applies them: by the score of the merged piece.
-
-    transformers ranks merges by piece id, which puts whitespace-only pieces (ids 259+ in Llama 2,
-    score -1e9, merged last by SentencePiece) first: "a  b" became "▁a", "▁▁", "b" instead of
-    "▁a", "▁", "▁b".
-    """
-    pieces = {p.piece: (i, p.score) for i, p in enumerate(proto.pieces) if p.type == _SPM_NORMAL}
-    ranked = []
-    for piece, (i, score) in pieces.items():
-        for k in range(1, len(piece)):
-            left, right = piece[:k], piece[k:]
-            if left in pieces and right in pieces:
-                ranked.append((-score, i, pieces[left][0], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    """BPE merges ranked as SentencePiece applies them (chatapp.model.spm_rules)."""
+    return score_ordered_merges({p.piece: (i, p.score) for i, p in enumerate(proto.pieces) if p.type == _SPM_NORMAL})
 
 
 def _exact_sentencepiece(backend, model_file: Path) -> None:
@@ -206,7 +191,7 @@ def _exact_sentencepiece(backend, model_file: Path) -> None:
     steps.append(normalizers.Replace(" ", "\u2581"))
     backend.normalizer = normalizers.Sequence(steps)
     if trainer.split_by_whitespace and not trainer.treat_whitespace_as_suffix:
-        words = Regex(_SPM_WORDS[bool(trainer.allow_whitespace_only_pieces)])
+        words = Regex(SPM_WORDS[bool(trainer.allow_whitespace_only_pieces)])
         backend.pre_tokenizer = pre_tokenizers.Split(words, behavior="isolated")
     else:
         backend.pre_tokenizer = None

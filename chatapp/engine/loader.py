@@ -6,6 +6,8 @@ Two on-disk formats are understood:
   mlx-lm's own loader, so every architecture mlx-lm supports works.
 * **legacy-npz** folders from the early mlx-community repos (e.g.
   ``mlx-community/Llama-2-7b-chat-4-bit``), read by :mod:`chatapp.engine.legacy`.
+* **gguf** files (llama.cpp's format: a file, a folder holding one, or a repo's file), read by
+  :mod:`chatapp.model.gguf` and found by :mod:`chatapp.engine.gguf_source`.
 
 Repo ids are resolved (and downloaded) by :mod:`chatapp.engine.hub`. Every failure the user can
 cause or fix (unknown repo, no network, missing files, unsupported architecture, not enough
@@ -20,7 +22,7 @@ import os
 import shutil
 import sys
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +38,7 @@ from chatapp.engine.device import (
     kept_for_cpu_kernels,
     pick_backend,
 )
+from chatapp.engine.gguf_source import find_gguf
 from chatapp.engine.hub import ALLOW_PATTERNS, DownloadProgress, progress_tqdm_class, resolve_model_path
 from chatapp.engine.legacy import legacy_config_to_mlx, legacy_weight_name, load_legacy_model, load_legacy_tokenizer
 from chatapp.engine.modelconfig import config_value
@@ -85,7 +88,7 @@ class LoadedModel:
     config: dict
     model_id: str
     path: Path
-    format: str  # "mlx-lm" | "legacy-npz"
+    format: str  # "mlx-lm" | "legacy-npz" | "gguf"
     dtype: str  # activation dtype the float parameters now have, e.g. "float32"
     weights_fingerprint: str
     has_chat_template: bool
@@ -94,6 +97,7 @@ class LoadedModel:
     head_dim: int | None
     n_layers: int | None
     cpu_plan: Any = None  # chatapp.backend.cpu.CpuPlan, set by engine.setup.load_engine
+    notes: list[str] = field(default_factory=list)  # what loading found and did (a GGUF's types, conversions)
 
 
 # --------------------------------------------------------------------------------------------
@@ -317,38 +321,16 @@ def load_model(
     Raises ModelLoadError with a one-line reason.
     """
     target, do_cast = _target_dtype(dtype)
-    path, model_id = resolve_model_path(str(spec), progress=progress, offline=offline)
-    where = str(spec) if Path(str(spec)).expanduser().is_dir() else f"{model_id} ({path})"
-
-    fmt, weight_files = check_files(path, where)
-    if fmt == "mlx-lm":
-        config = read_config(path, where)
-        _check_architecture(config, where)
-    _check_memory(weight_files, target if do_cast else None, where)
-
-    try:
-        if fmt == "legacy-npz":
-            model, config = load_legacy_model(path, weight_files, where)
-            if (path / "tokenizer.json").exists():
-                from mlx_lm.utils import load_tokenizer
-
-                tokenizer = load_tokenizer(path)
-            elif (path / "tokenizer.model").exists():
-                tokenizer = load_legacy_tokenizer(path)
-            else:
-                raise ModelLoadError(f"{where} is missing a tokenizer (tokenizer.model)")
-        else:
-            from mlx_lm.utils import load_model as lm_load_model
-            from mlx_lm.utils import load_tokenizer
-
-            model, config = lm_load_model(path, lazy=True)
-            tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
-    except ModelLoadError:
-        raise
-    except MemoryError as err:
-        raise ModelLoadError(f"not enough memory to load {where}") from err
-    except Exception as err:
-        raise ModelLoadError(f"could not load {where}: {type(err).__name__}: {one_line(err)}") from err
+    notes: list[str] = []
+    gguf = find_gguf(str(spec), progress=progress, offline=offline)
+    if gguf is not None:  # a GGUF file (chatapp.model.gguf): weights, config and tokenizer in one
+        path, model_id = gguf
+        fmt, weight_files = "gguf", [path]
+        _check_memory(weight_files, None, str(spec))
+        model, tokenizer, config, notes = load_gguf_parts(path)
+    else:
+        path, model_id = resolve_model_path(str(spec), progress=progress, offline=offline)
+        model, tokenizer, config, fmt, weight_files = _load_folder(spec, path, model_id, target if do_cast else None)
 
     if do_cast:
         final = target or checkpoint_float_dtype(model)
@@ -374,7 +356,57 @@ def load_model(
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         n_layers=n_layers,
+        notes=notes,
     )
+
+
+def _load_folder(spec: str, path: Path, model_id: str, target: mx.Dtype | None):
+    """(model, tokenizer, config, format, weight files) of an mlx-lm or legacy-npz folder."""
+    where = str(spec) if Path(str(spec)).expanduser().is_dir() else f"{model_id} ({path})"
+    fmt, weight_files = check_files(path, where)
+    if fmt == "mlx-lm":
+        config = read_config(path, where)
+        _check_architecture(config, where)
+    _check_memory(weight_files, target, where)
+
+    try:
+        if fmt == "legacy-npz":
+            model, config = load_legacy_model(path, weight_files, where)
+            if (path / "tokenizer.json").exists():
+                from mlx_lm.utils import load_tokenizer
+
+                tokenizer = load_tokenizer(path)
+            elif (path / "tokenizer.model").exists():
+                tokenizer = load_legacy_tokenizer(path)
+            else:
+                raise ModelLoadError(f"{where} is missing a tokenizer (tokenizer.model)")
+        else:
+            from mlx_lm.utils import load_model as lm_load_model
+            from mlx_lm.utils import load_tokenizer
+
+            model, config = lm_load_model(path, lazy=True)
+            tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except ModelLoadError:
+        raise
+    except MemoryError as err:
+        raise ModelLoadError(f"not enough memory to load {where}") from err
+    except Exception as err:
+        raise ModelLoadError(f"could not load {where}: {type(err).__name__}: {one_line(err)}") from err
+    return model, tokenizer, config, fmt, weight_files
+
+
+def load_gguf_parts(path: Path) -> tuple[nn.Module, Any, dict, list[str]]:
+    """(model, tokenizer, config, notes) of a GGUF file; every GGUFError as a one-line ModelLoadError."""
+    from chatapp.model.gguf import load_gguf
+    from chatapp.model.gguf_file import GGUFError
+
+    try:
+        g = load_gguf(path)
+    except GGUFError as err:
+        raise ModelLoadError(str(err)) from None
+    except MemoryError as err:
+        raise ModelLoadError(f"not enough memory to load {path.name}") from err
+    return g.model, g.tokenizer, g.config, g.notes
 
 
 def save_model_dir(path: str | Path, model: nn.Module, config: dict, tokenizer_source_dir: str | Path) -> Path:

@@ -43,6 +43,7 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         dense_prefill_threshold=cpu.dense_prefill_threshold, dense_weights=cpu.dense_weights,
         dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
         kernels=cpu.kernels, kernel_max_tokens=cpu.kernel_max_tokens, threads=cpu.threads,
+        fused_decode=cpu.fused_decode, numerics=cpu.numerics,
     )
     loaded.memory_notes = memory_notes
     return loaded
@@ -105,6 +106,7 @@ def session_from_config(config, loaded: LoadedModel) -> Session:
         raise SetupError(f"cache.{e}") from None
     session.format_choice = choice
     session.model_id = loaded.model_id
+    session.notices.extend(getattr(loaded, "notes", []))  # a GGUF's file, types and conversions
     plan = getattr(loaded, "cpu_plan", None)
     if plan is not None and plan.applied:
         session.notices.append(f"CPU fast path: {plan.headline()}")

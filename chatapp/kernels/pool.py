@@ -142,6 +142,14 @@ class WorkPool:
         kernel(*call)
         _wait_done(ctl, n_chunks)
 
+    def broadcast(self, kernel: Callable, *args) -> None:
+        """Run ``kernel(*args)`` on every thread, the calling one included, for a kernel that
+        shares its work out and waits for it itself (``decode_step``: claim counters and
+        barriers of its own in ``args``). Returns when the calling thread's call returns."""
+        for q in self._queues:
+            q.put((kernel, args))
+        kernel(*args)
+
     def close(self) -> None:
         for q in self._queues:
             q.put(None)

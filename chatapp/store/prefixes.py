@@ -176,13 +176,13 @@ def block_info(path: Path) -> BlockInfo:
 def namespace_for(session, weights_fingerprint: str, model_id: str = "") -> Namespace:
     """The namespace of a session's K/V: its model's weights and arguments, its prompt format,
     the dtype and geometry of its caches."""
-    from chatapp.engine.device import checkpoint_float_dtype, dtype_name
+    from chatapp.engine.device import activation_float_dtype, dtype_name
 
     args = getattr(session.model, "args", None)
     fields = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     config = _digest(json.dumps(fields, sort_keys=True, default=str))
     g = session.geometry
-    return Namespace(weights_fingerprint, session.format.key, config, dtype_name(checkpoint_float_dtype(session.model)),
+    return Namespace(weights_fingerprint, session.format.key, config, dtype_name(activation_float_dtype(session.model)),
                      g.n_layers, g.n_kv_heads, g.head_dim, model_id)
 
 

@@ -1,0 +1,321 @@
+"""The decode step of a Llama-style model in one native call per token (CPU backend).
+
+MLX's CPU backend pays a dispatch for each op: a 1-token step of SmolLM2-135M runs ~210
+quantised products (most under 1024x1024, on MLX's slow ``quantized_matmul``) and ~300
+element-wise ops, ~130 ms a token where llama.cpp takes ~10. ``FusedDecoder.step`` runs the
+token through `chatapp.kernels.decode_step.token_step` (per layer: norms, the 7 projections on
+the packed weights, RoPE, attention over the cache's buffers read in place, the MLP) in one
+call, then the output head on the packed kernel. The new K/V rows go into the cache through its own
+``update_and_fetch`` (MLX's slice update, copy-on-write), so the cache, its state, trimming and
+the prefix store see exactly what the MLX step would have written.
+
+``install_fused_decode`` swaps the model's class for a subclass whose ``__call__`` takes this
+path for a single token over plain preallocated caches (``SegmentedKVCache`` with nothing
+quantised or evicted) and hands every other call (prefill, other cache modes, embeddings
+inputs) to the model's own ``__call__``. Only models whose decoder layers are exactly Llama's
+math (``fused_unsupported`` checks the type and each module) are fused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+# model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
+FUSED_MODEL_TYPES = ("llama", "mistral")
+_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def _inner(model: nn.Module):
+    return model.get("model") if isinstance(model, nn.Module) else None
+
+
+def _quantised(m) -> str | None:
+    """None when ``m`` is a quantised linear/embedding the packed kernels can read."""
+    from chatapp.kernels.qmatmul import unsupported
+
+    if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return f"{type(m).__name__} is not quantised"
+    if m.get("biases") is None:
+        return "no quantisation biases (kernels: affine)"
+    return unsupported(m.bits, m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
+
+
+def fused_unsupported(model: nn.Module) -> str | None:
+    """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
+    args = getattr(model, "args", None)
+    mtype = getattr(args, "model_type", None)
+    if mtype not in FUSED_MODEL_TYPES:
+        return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
+    inner = _inner(model)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return "no decoder layers found"
+    groups = set()
+    for layer in layers:
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+        attn = layer.get("self_attn")
+        rope = getattr(attn, "rope", None)
+        if type(rope) is not nn.RoPE or rope.dims != attn.head_dim:
+            return f"RoPE {type(rope).__name__} (fused decode: plain nn.RoPE over the whole head)"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if type(layer.get(norm)) is not nn.RMSNorm:
+                return f"{norm} is not RMSNorm"
+        for parent, name in _PROJECTIONS:
+            proj = layer[parent].get(name)
+            if proj is None or "bias" in proj:
+                return f"{name} missing or with a bias"
+            why = _quantised(proj)
+            if why:
+                return f"{name}: {why}"
+            groups.add(proj.group_size)
+    if len(groups) != 1:
+        return "projections with different group sizes"
+    if type(inner.get("norm")) is not nn.RMSNorm:
+        return "final norm is not RMSNorm"
+    embed = inner.get("embed_tokens")
+    if not isinstance(embed, (nn.QuantizedEmbedding, nn.Embedding)):
+        return "no token embedding"
+    head = embed if getattr(args, "tie_word_embeddings", True) and "lm_head" not in model else model.get("lm_head")
+    if head is None:
+        return "no output head"
+    if isinstance(head, nn.QuantizedEmbedding) or isinstance(head, nn.QuantizedLinear):
+        why = _quantised(head)
+        if why:
+            return f"output head: {why}"
+    return None
+
+
+@dataclass
+class _Layer:
+    weights: tuple  # 7 x (packed, scales, biases) numpy views
+    bits: np.ndarray
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    eps: np.float32
+
+
+def _weights(m) -> tuple:
+    from .qlinear import packed_view
+
+    route = getattr(m, "_route", None)
+    pw = route.packed if route is not None and route.packed is not None else \
+        packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)
+    return pw
+
+
+def _norm(m: nn.RMSNorm) -> np.ndarray:
+    w = m["weight"].astype(mx.float32)
+    mx.eval(w)
+    return np.asarray(w)
+
+
+class FusedDecoder:
+    """The per-layer weights as the kernel reads them, and the token step."""
+
+    def __init__(self, model: nn.Module, numerics: str = "exact"):
+        inner = _inner(model)
+        # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
+        self.fast = numerics == "fast"
+        self.layers: list[_Layer] = []
+        for layer in inner.layers:
+            pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
+            self.layers.append(_Layer(
+                tuple((pw.packed, pw.scales, pw.biases) for pw in pws), np.array([pw.bits for pw in pws], np.int64),
+                _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
+                np.float32(layer["input_layernorm"].eps)))
+            if layer["post_attention_layernorm"].eps != layer["input_layernorm"].eps:
+                raise ValueError("fused decode: the two norms of a layer use different eps")
+        attn = inner.layers[0]["self_attn"]
+        self.group_size = int(pws[0].group_size)
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.scale = np.float32(attn.scale)
+        rope = attn.rope
+        self.traditional = bool(rope.traditional)
+        # nn.RoPE: theta_i = position * scale * base ** (-2i / dims)
+        self.inv_freq = (np.float32(rope.scale) * np.power(
+            np.float32(rope.base), -np.arange(0, rope.dims, 2, dtype=np.float32) / np.float32(rope.dims))).astype(np.float32)
+        self.final_norm, self.final_eps = _norm(inner["norm"]), np.float32(inner["norm"].eps)
+        embed = inner["embed_tokens"]
+        self.embed = embed
+        tied = "lm_head" not in model
+        head = embed if tied else model["lm_head"]
+        self.head_packed = _weights(head) if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) else None
+        self.head_dense = None if self.head_packed is not None else np.asarray(head["weight"].astype(mx.float32))
+        self.embed_packed = _weights(embed) if isinstance(embed, nn.QuantizedEmbedding) else None
+        dim = inner.layers[0]["input_layernorm"]["weight"].shape[0]
+        hidden = pws[4].out_features
+        hd = self.n_heads * self.head_dim
+        kd = self.n_kv_heads * self.head_dim
+        self.dim = dim
+        self._q = np.empty(hd, np.float32)
+        self._k = np.empty(kd, np.float32)
+        self._v = np.empty(kd, np.float32)
+        self._k_out = np.empty(kd, np.float32)
+        self._attn = np.empty(hd, np.float32)
+        self._act = np.empty(hidden, np.float32)
+        # what token_step takes: the weights as typed lists (built once), norms and bits stacked
+        from numba.typed import List
+
+        self._lists = []
+        for j in range(len(_PROJECTIONS)):
+            lst = List()
+            for layer in self.layers:
+                lst.append(layer.weights[j])
+            self._lists.append(lst)
+        self._attn_norms = np.stack([layer.attn_norm for layer in self.layers])
+        self._mlp_norms = np.stack([layer.mlp_norm for layer in self.layers])
+        self._bits = np.stack([layer.bits for layer in self.layers])
+        self._eps = self.layers[0].eps
+        if any(layer.eps != self._eps for layer in self.layers):
+            raise ValueError("fused decode: layers with different norm eps")
+        n = len(self.layers)
+        self._k_all = np.empty((n, kd), np.float32)
+        self._v_all = np.empty((n, kd), np.float32)
+        self._kv_addr = np.empty((n, 2), np.int64)
+        self._kv_size = np.empty(n, np.int64)
+        self._kv_stride = np.empty(n, np.int64)
+
+    def embedding(self, token: int) -> np.ndarray:
+        """The token's embedding row as float32 (what the embedding layer returns)."""
+        if self.embed_packed is None:
+            return np.asarray(self.embed["weight"][token].astype(mx.float32)).copy()
+        pw = self.embed_packed
+
+        def f32(a):
+            return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a.astype(np.float32)
+
+        row = pw.packed[token]
+        if pw.bits == 4:
+            q = np.empty(row.shape[0] * 2, np.float32)
+            q[0::2], q[1::2] = row & 15, row >> 4
+        else:
+            q = row.astype(np.float32)
+        g = pw.group_size
+        s, b = f32(pw.scales[token]), f32(pw.biases[token])
+        return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
+
+    def step(self, token: int, caches: list) -> np.ndarray:
+        """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
+        from chatapp.kernels.decode_step import CTL_SIZE, rms_norm, rope_angles, token_step
+        from chatapp.kernels.pool import pool
+
+        KVH, D = self.n_kv_heads, self.head_dim
+        position = caches[0].offset
+        bufs = []
+        for c in caches:
+            full = c.full
+            if full.keys is None or full.length + 1 > full.capacity:
+                z = mx.zeros((1, KVH, 1, D), mx.float32)
+                full.append(z, z)  # grows by whole chunks; the zero row is dropped again
+                full.trim(1)
+            bufs += [full.keys, full.values]
+        mx.eval(*bufs)
+        cos, sin = rope_angles(position, self.inv_freq)
+        x = self.embedding(token)
+        held = []  # the numpy views stay alive (and the buffers with them) while the kernel runs
+        for i, c in enumerate(caches):
+            # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
+            kf, vf = np.asarray(c.full.keys), np.asarray(c.full.values)
+            held += [kf, vf]
+            self._kv_addr[i, 0], self._kv_addr[i, 1] = kf.ctypes.data, vf.ctypes.data
+            self._kv_size[i] = kf.size
+            self._kv_stride[i] = c.full.capacity * D
+        n_cached = caches[0].full.length
+        if any(c.full.length != n_cached for c in caches):
+            raise ValueError("fused decode: the layers' caches hold different token counts")
+        pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
+                         self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
+                         self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
+                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
+                         self.fast)
+        k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
+        xn = rms_norm(x, self.final_norm, self.final_eps)
+        if self.head_packed is not None:
+            from chatapp.kernels.qmatmul import matmul
+
+            return matmul(self.head_packed, xn[None])[0]
+        return self.head_dense @ xn
+
+
+def _plain_caches(cache, n_layers: int) -> bool:
+    from cache.kv import SegmentedKVCache
+
+    if not isinstance(cache, (list, tuple)) or len(cache) != n_layers:
+        return False
+    for c in cache:
+        if type(c) is not SegmentedKVCache and not issubclass(type(c), SegmentedKVCache):
+            return False
+        if c.quant is not None or c.budget is not None:
+            return False
+        if c.full.keys is not None and (c.full.keys.dtype != mx.float32 or c.full.values.dtype != mx.float32):
+            return False
+    return True
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(base: type) -> type:
+    cls = _FUSED_CLASSES.get(base)
+    if cls is None:
+        def __call__(self, inputs, cache=None, **kwargs):
+            dec = getattr(self, "_chatapp_fused", None)
+            if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.shape == (1, 1)
+                    and _plain_caches(cache, len(dec.layers))):
+                token = int(inputs.item())
+                logits = dec.step(token, cache)
+                return mx.array(logits).reshape(1, 1, -1)
+            return base.__call__(self, inputs, cache=cache, **kwargs)
+
+        cls = type(f"Fused{base.__name__}", (base,), {"__call__": __call__, "_chatapp_base": base})
+        _FUSED_CLASSES[base] = cls
+    return cls
+
+
+def numerics_line(numerics: str) -> str:
+    """How the fused step's 4-bit products are computed, for the plan and --show-config."""
+    if numerics != "fast":
+        return "numerics exact (float32 activations)"
+    from chatapp.kernels.int8dot import ISA, ISA_NAMES
+
+    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]})"
+
+
+def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
+    """Fuse the model's single-token steps when its layers allow; returns a line for the plan.
+    warm_up: run one step on a scratch cache now, so that compiling (or loading from numba's
+    disk cache) the layer kernel does not land in the first reply."""
+    why = fused_unsupported(model)
+    if why:
+        return f"fused decode: off ({why})"
+    dec = FusedDecoder(model, numerics)
+    if warm_up:
+        from cache import CacheSettings, PreallocKVCache
+
+        settings = CacheSettings()
+        dec.step(0, [PreallocKVCache(settings) for _ in dec.layers])
+    object.__setattr__(model, "_chatapp_fused", dec)
+    if not getattr(type(model), "_chatapp_base", None):
+        model.__class__ = _fused_class(type(model))
+    return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
+            f"{numerics_line(numerics)}")
+
+
+def uninstall_fused_decode(model: nn.Module) -> None:
+    base = getattr(type(model), "_chatapp_base", None)
+    if base is not None:
+        model.__class__ = base
+    if "_chatapp_fused" in getattr(model, "__dict__", {}):
+        object.__delattr__(model, "_chatapp_fused")
+
+
+def is_fused(model: nn.Module) -> bool:
+    return getattr(type(model), "_chatapp_base", None) is not None

@@ -1,0 +1,165 @@
+"""`chatapp bench numerics`: what ``cpu.numerics = fast`` costs in quality and gains in speed.
+
+A Llama GGUF (default: SmolLM2-135M Q4_1 from ../shared) is read with ``mx.load`` into mlx-lm's
+Llama (a minimal reader for this bench only: the app's GGUF loader is on another branch), given
+the CPU fast path twice in one process, exact and fast, and then:
+
+- quality: a long English text (default: ../shared/docs/architecture.md) teacher-forced one token
+  at a time through the fused decode step of each route: perplexity, the largest logit difference
+  against exact (relative to exact's largest |logit|), and how often the two routes' argmax agree;
+- speed: greedy decode tokens/s of each route, alternating exact/fast ``--repeats`` times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+from chatapp.bench.report import BenchReport, emit
+
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+DEFAULT_MODEL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_TEXT = SHARED / "docs" / "architecture.md"
+
+_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(DEFAULT_MODEL), help="a Llama GGUF with 4-bit weights (default SmolLM2-135M Q4_1)")
+    p.add_argument("--text", default=str(DEFAULT_TEXT), help="text for the perplexity (default ../shared/docs/architecture.md)")
+    p.add_argument("--tokens", type=int, default=512, help="text tokens teacher-forced per route (default 512)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per speed run (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="speed runs per route, alternating (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
+
+
+def _tokenizer(meta: dict):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def load_gguf_llama(path: str):
+    """(mlx-lm Llama with float32 norms/scales, GGUF metadata)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    w, meta = mx.load(path, return_metadata=True)
+    if str(meta.get("general.architecture")) != "llama":
+        raise SystemExit(f"{path}: not a llama GGUF")
+
+    def num(key):
+        return meta[f"llama.{key}"].item()
+
+    args = ModelArgs(model_type="llama", hidden_size=num("embedding_length"), num_hidden_layers=num("block_count"),
+                     intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count"),
+                     num_key_value_heads=num("attention.head_count_kv"),
+                     rms_norm_eps=float(num("attention.layer_norm_rms_epsilon")), vocab_size=num("vocab_size"),
+                     rope_theta=float(num("rope.freq_base")), rope_traditional=True,  # GGUF's Q/K row order
+                     tie_word_embeddings="output.weight" not in w)
+    model = Model(args)
+    def bits(key, width):  # from the packed shape: uint32 words x 32 bits / elements
+        return w[key].shape[1] * 32 // width
+
+    ebits = bits("token_embd.weight", args.hidden_size)
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p != "model.embed_tokens" and hasattr(m, "to_quantized"))
+    nn.quantize(model, group_size=32, bits=ebits, class_predicate=lambda p, m: p == "model.embed_tokens")
+    out = {}
+    for k, v in w.items():
+        name = k.replace("token_embd.", "model.embed_tokens.", 1).replace("output_norm.", "model.norm.", 1)
+        if name.startswith("output."):
+            name = "lm_head." + name[len("output."):]
+        elif name.startswith("blk."):
+            _, layer, kind, leaf = name.split(".", 3)
+            name = f"model.layers.{layer}.{_NAMES[kind]}.{leaf}"
+        out[name] = v.astype(mx.float32) if v.dtype == mx.float16 else v
+    model.load_weights(list(out.items()))
+    mx.eval(model.parameters())
+    return model, meta
+
+
+def _teacher_forced(model, ids: list[int]):
+    """Per-position logits (numpy) through single-token steps (the fused route), chatapp's caches."""
+    import mlx.core as mx
+    import numpy as np
+
+    from cache import CacheSettings, make_caches
+
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    out = []
+    for t in ids[:-1]:
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(np.array(logits))
+    return out
+
+
+def _ppl(logits, ids) -> float:
+    import numpy as np
+
+    nll = 0.0
+    for lg, t in zip(logits, ids[1:]):
+        m = lg.max()
+        nll += float(m + np.log(np.exp(lg - m).sum()) - lg[t])
+    return math.exp(nll / len(logits))
+
+
+def _decode_rate(model, n: int) -> float:
+    import mlx.core as mx
+
+    from cache import CacheSettings, make_caches
+
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    tok = 1
+    stamps = []
+    for _ in range(n + 1):
+        tok = int(mx.argmax(model(mx.array([[tok]]), cache=caches)[0, -1]).item())
+        stamps.append(time.perf_counter())
+    return n / (stamps[-1] - stamps[0])
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from chatapp.backend.cpu import apply_fast_path
+    from chatapp.bench.cpu_bench import _loadavg
+
+    load_start = _loadavg()
+    models = {}
+    for numerics in ("exact", "fast"):
+        model, meta = load_gguf_llama(args.model)
+        plan = apply_fast_path(model, backend="cpu", threads=args.threads, numerics=numerics)
+        print(f"# {numerics}: {plan.fused_decode}", flush=True)
+        models[numerics] = model
+    ids = _tokenizer(meta).encode(Path(args.text).read_text()).ids[: args.tokens]
+    logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
+    ex, fa = logits["exact"], logits["fast"]
+    rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(fa, ex))
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(fa, ex)) / len(ex)
+    rates: dict[str, list[float]] = {"exact": [], "fast": []}
+    for r in range(max(1, args.repeats)):
+        for n in ("exact", "fast") if r % 2 == 0 else ("fast", "exact"):
+            rates[n].append(_decode_rate(models[n], args.decode_tokens))
+    rep = BenchReport(f"numerics: {Path(args.model).name}, {len(ids)} text tokens teacher-forced",
+                      ["numerics", "perplexity", "ppl / exact", "max |dlogit| / max |logit|", "argmax = exact",
+                       "decode tok/s (runs)", "decode x exact (per run)"])
+    ppl = {n: _ppl(lg, ids) for n, lg in logits.items()}
+    for n in ("exact", "fast"):
+        rep.add(n, ppl[n], ppl[n] / ppl["exact"], 0.0 if n == "exact" else rel, 1.0 if n == "exact" else agree,
+                ", ".join(f"{v:.1f}" for v in rates[n]),
+                ", ".join(f"{a / b:.2f}" for a, b in zip(rates[n], rates["exact"])))
+    print(rep.table())
+    print(f"# load average: {load_start} at the start, {_loadavg()} at the end")
+    rep.meta.update(load_average_start=load_start, load_average_end=_loadavg(), rates=rates, perplexity=ppl)
+    emit(rep, args.json, None, None)
+    return 0

@@ -1,0 +1,342 @@
+"""One decoder layer of a Llama-style model for one token, in one native call.
+
+A small model's decode step is dominated by dispatch, not arithmetic: SmolLM2-135M has 30 layers
+of 7 projections (most under 1024x1024) plus norms, RoPE, attention and the MLP's activation, and
+MLX's CPU backend pays each of those ~210 products and ~300 element-wise ops a dispatch (and the
+products its slow ``quantized_matmul``): ~100 ms a token against llama.cpp's ~9. ``layer_step``
+does the whole layer, on the packed weights, and ``token_step`` runs every layer in one call
+that every pool thread runs (``WorkPool.broadcast``), so the helpers start once per token:
+
+    x += o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n)))   n = rms_norm(x)
+    x += down_proj(silu(gate_proj(m)) * up_proj(m))                       m = rms_norm(x)
+
+The work is cut into phases (the fused QKV rows, the query heads, the o_proj rows, the gate/up
+rows, the down rows). Inside a phase, threads claim chunks from an atomic counter as the pool's
+kernels do, and each phase ends at a barrier (its done counter). A thread that starts late (a
+helper whose core was busy) finds the chunks claimed and simply passes the barriers, so the
+caller never waits for a thread that has not started. The norms and the even/odd split of a
+projection's input are recomputed by each thread into its own buffers (hundreds of elements)
+rather than shared, which would need one more barrier each.
+
+The new token's K/V are not written into the cache here: attention reads the cache's rows
+[0, n) in place plus the new row from ``k_new``/``v_new``, and the caller appends the new rows
+through the cache's own ``update_and_fetch`` afterwards (MLX's copy-on-write then protects any
+snapshot that shares the buffer).
+
+Weights are MLX's affine 4- or 8-bit layout (qmatmul.py); all projections of a layer share one
+group size. Scales/biases float32 or float16 bits (uint16), as the other kernels read them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
+from .llvm import as_f32, atomic_add
+from .int8dot import q4_rows4_dot_i8, quantise_blocks
+from .rows4 import ROWS, q4_rows4_dot
+from .simd import q4_row_dot, q8_row_dot
+
+PHASES = 5
+# rows per claimed chunk: each claim and each done count moves a cache line between the cores
+# (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
+ROW_CHUNK = 48
+# Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
+# at a barrier then reads a line the claiming thread does not write to on every claim.
+_LINE = 8  # int64s per cache line
+
+
+@intrinsic
+def _atomic_load(typingctx, arr, idx):
+    """An acquire load of int64 ``arr[idx]``: read anew each time (a plain load in a spin loop
+    may be hoisted out of it), without the write an atomic add would make to the line."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        return builder.load_atomic(ptr, "acquire", 8)
+
+    return types.int64(arr, types.intp), codegen
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _claim(ctl, phase, n):  # pragma: no cover - jitted
+    c = atomic_add(ctl, 2 * _LINE * phase, 1)
+    return c if c < n else -1
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _done(ctl, phase):  # pragma: no cover - jitted
+    atomic_add(ctl, 2 * _LINE * phase + _LINE, 1)
+
+
+@njit(nogil=True, cache=True)
+def _barrier(ctl, phase, n):  # pragma: no cover - jitted
+    while _atomic_load(ctl, 2 * _LINE * phase + _LINE) < n:
+        pass
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq):  # pragma: no cover - jitted
+    """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums;
+    when ``fast``, also its int8 blocks xq = (even, odd, lane scales)."""
+    K = src.shape[0]
+    if norm_w.shape[0]:
+        ss = np.float32(0.0)
+        for j in range(K):
+            ss += src[j] * src[j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(K) + eps)
+        for j in range(K):
+            xn[j] = src[j] * inv * norm_w[j]
+    else:
+        for j in range(K):
+            xn[j] = src[j]
+    half = K // 2
+    for j in range(half):
+        xe[j] = xn[2 * j]
+        xo[j] = xn[2 * j + 1]
+    for g in range(K // group_size):
+        acc = np.float32(0.0)
+        for j in range(g * group_size, (g + 1) * group_size):
+            acc += xn[j]
+        xsum[g] = acc
+    if fast:
+        quantise_blocks(xn, xq[0][:half], xq[1][:half], xq[2][:K // 8])
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
+    """Row r of the packed weight w = (bytes, scales, biases) times the prepared input."""
+    packed, scales, biases = w
+    if bits == 4:
+        d = q4_row_dot(packed[r], xe, xo, scales[r], group_size)
+    else:
+        d = q8_row_dot(packed[r], xn, scales[r], group_size)
+    for g in range(biases.shape[1]):
+        d += as_f32(biases[r, g]) * xsum[g]
+    return d
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq):  # pragma: no cover - jitted
+    """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
+    4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``), the rest
+    one by one. xq = (even int8, odd int8, lane scales) of the input (used when fast)."""
+    packed, scales, biases = w
+    r = r_start
+    tmp = np.empty(ROWS, np.float32)
+    if bits == 4:
+        while r + ROWS <= r_end:
+            if fast:
+                q4_rows4_dot_i8(packed, r, xq[0], xq[1], xq[2], scales, group_size, tmp)
+            else:
+                q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
+            for i in range(ROWS):
+                d = tmp[i]
+                for g in range(biases.shape[1]):
+                    d += as_f32(biases[r + i, g]) * xsum[g]
+                if add:
+                    dst[r - r_start + i] += d
+                else:
+                    dst[r - r_start + i] = d
+            r += ROWS
+    while r < r_end:
+        d = _row(w, bits, group_size, r, xn, xe, xo, xsum)
+        if add:
+            dst[r - r_start] += d
+        else:
+            dst[r - r_start] = d
+        r += 1
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _rope(v, cos, sin, traditional):  # pragma: no cover - jitted
+    """Rotate v [D] in place: pairs (2i, 2i+1) when traditional, else (i, i + D/2)."""
+    half = cos.shape[0]
+    for i in range(half):
+        if traditional:
+            a, b = v[2 * i], v[2 * i + 1]
+            v[2 * i] = a * cos[i] - b * sin[i]
+            v[2 * i + 1] = a * sin[i] + b * cos[i]
+        else:
+            a, b = v[i], v[i + half]
+            v[i] = a * cos[i] - b * sin[i]
+            v[i + half] = a * sin[i] + b * cos[i]
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _silu_mul(g, u):  # pragma: no cover - jitted
+    return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
+               cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
+               scale, q, k_new, v_new, k_out, attn, act, fast=False):  # pragma: no cover - jitted
+    """One layer for one token; ``x`` [dim] (float32) is updated in place.
+
+    w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
+    q, k, v, o, gate, up, down. cos/sin [D/2] for the token's position. k_cache/v_cache: flat
+    views of the cache's [kv_heads, capacity, D] buffers with their head strides (kernels'
+    heads_view), n_cached rows held. Outputs: k_out (the new keys, roped) and v_new
+    [kv_heads * D] for the caller to append; q, k_new (before RoPE) [heads * D], attn
+    [heads * D] and act [hidden] are shared scratch."""
+    dim = x.shape[0]
+    D = cos.shape[0] * 2
+    nq, nk = wq[0].shape[0], wk[0].shape[0]
+    nqkv = nq + nk + wv[0].shape[0]
+    hidden = wg[0].shape[0]
+    G = n_heads // n_kv_heads
+    kmax = max(dim, hidden, n_heads * D)
+    xn = np.empty(kmax, np.float32)
+    xe = np.empty(kmax // 2, np.float32)
+    xo = np.empty(kmax // 2, np.float32)
+    xsum = np.empty(kmax // group_size, np.float32)
+    no_norm = np.empty(0, np.float32)
+    gbuf = np.empty(ROW_CHUNK, np.float32)
+    ubuf = np.empty(ROW_CHUNK, np.float32)
+    xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32))
+
+    # 1. q, k, v rows (one phase over their rows together)
+    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
+    n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
+    while True:
+        c = _claim(ctl, 0, n1)
+        if c < 0:
+            break
+        a, b = c * ROW_CHUNK, min(nqkv, (c + 1) * ROW_CHUNK)
+        # the chunk's rows, cut where q's rows end and k's, then v's, begin
+        for lo_, hi_, w, wb, dst, off in ((0, nq, wq, bits[0], q, 0), (nq, nq + nk, wk, bits[1], k_new, nq),
+                                          (nq + nk, nqkv, wv, bits[2], v_new, nq + nk)):
+            s0, s1 = max(a, lo_), min(b, hi_)
+            if s0 < s1:
+                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off], False, fast, xq)
+        _done(ctl, 0)
+    _barrier(ctl, 0, n1)
+
+    # 2. attention, one query head per chunk, over the cached rows and the new one
+    s = np.empty(n_cached + 1, np.float32)
+    o = np.empty(D, np.float32)
+    kr = np.empty(D, np.float32)
+    qr = np.empty(D, np.float32)
+    while True:
+        h = _claim(ctl, 1, n_heads)
+        if h < 0:
+            break
+        kh = h // G
+        kr[:] = k_new[kh * D:(kh + 1) * D]
+        _rope(kr, cos, sin, traditional)
+        qr[:] = q[h * D:(h + 1) * D]
+        _rope(qr, cos, sin, traditional)
+        if n_cached:
+            _scores_full(qr, _rows(k_cache, kh, k_stride, n_cached, D), scale, s[:n_cached])
+        d = np.float32(0.0)
+        for j in range(D):
+            d += qr[j] * kr[j]
+        s[n_cached] = d * scale
+        tot = _softmax_inplace(s)
+        o[:] = 0.0
+        if n_cached:
+            _accumulate_full(s[:n_cached], _rows(v_cache, kh, v_stride, n_cached, D), o)
+        p = s[n_cached]
+        for j in range(D):
+            attn[h * D + j] = (o[j] + p * v_new[kh * D + j]) / tot
+        if h % G == 0:  # one head per KV group hands the roped key back for the cache
+            k_out[kh * D:(kh + 1) * D] = kr
+        _done(ctl, 1)
+    _barrier(ctl, 1, n_heads)
+
+    # 3. x += o_proj(attn)
+    ka = n_heads * D
+    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], fast, xq)
+    n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
+    while True:
+        c = _claim(ctl, 2, n3)
+        if c < 0:
+            break
+        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
+        _done(ctl, 2)
+    _barrier(ctl, 2, n3)
+
+    # 4. act = silu(gate(m)) * up(m)
+    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
+    n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
+    while True:
+        c = _claim(ctl, 3, n4)
+        if c < 0:
+            break
+        a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, fast, xq)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, fast, xq)
+        for r in range(a, b):
+            act[r] = _silu_mul(gbuf[r - a], ubuf[r - a])
+        _done(ctl, 3)
+    _barrier(ctl, 3, n4)
+
+    # 5. x += down(act)
+    _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
+             xsum[:hidden // group_size], fast, xq)
+    n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
+    while True:
+        c = _claim(ctl, 4, n5)
+        if c < 0:
+            break
+        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
+        _done(ctl, 4)
+    _barrier(ctl, 4, n5)
+
+
+@intrinsic
+def _f32_at(typingctx, addr):
+    """The float32 pointer at integer address ``addr`` (a buffer's data address)."""
+    if addr != types.int64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
+
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+CTL_SIZE = 2 * _LINE * PHASES
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
+               cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
+               scale, q, k_new, v_out, k_out, attn, act, fast=False):  # pragma: no cover - jitted
+    """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
+    CTL_SIZE counters per layer): helpers start once per token, not once per layer.
+
+    w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
+    kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
+    capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
+    receive each layer's new V and roped K. fast: 4-bit rows against int8 activations
+    (``cpu.numerics = fast``, int8dot.py)."""
+    for layer in range(bits.shape[0]):
+        k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
+        v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
+                   wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
+                   group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer], v_cache, kv_stride[layer],
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast)
+
+
+def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [D/2] for one position (float32, as MLX's RoPE computes them)."""
+    theta = np.float32(position) * inv_freq
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float32, copy=False)
+    return (x / np.sqrt(np.mean(x * x) + np.float32(eps))).astype(np.float32) * w

@@ -1,0 +1,216 @@
+"""Open a GGUF file as an mlx-lm model: config from the metadata, tensors mapped onto mlx-lm's
+``llama`` classes, weights kept packed.
+
+Q4_0/Q4_1/Q8_0 tensors come out of ``mx.load`` already in MLX's affine layout (packed uint32
+words plus float16 scales and biases, group 32), so each quantised matrix becomes an
+``nn.QuantizedLinear``/``QuantizedEmbedding`` with that group size and its own bit width (a
+per-layer quantisation config: SmolLM2's embedding is Q8_0, its matrices Q4_1). No float copy of
+a quantised weight is made. F32/F16/BF16 tensors load as they are.
+
+llama.cpp's converter permutes the rows of ``attn_q``/``attn_k`` within each head, pairing
+rotary dimensions (2i, 2i+1) for its interleaved RoPE. Here the permutation is undone (weight,
+scales and biases together: a reorder of whole rows, which never touches a quantisation group),
+so the model is mlx-lm's Llama with its usual rotate-half RoPE: the same layout as the Hugging
+Face checkpoint the file came from. tests/test_gguf.py proves it against an unpermuted model.
+
+Other tensor types (K-quants, IQ-quants, ...) are refused in one line: dequantising them would
+make float16 copies 3-4x the file's size, with nothing that reads them packed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .gguf_file import QUANT_BITS, GGUFError, GGUFHeader, TensorInfo, read_header, unreadable_types
+from .gguf_tokenizer import build_tokenizer, check_vocabulary, vocab_summary
+
+SUPPORTED_ARCHITECTURES = ("llama",)  # llama.cpp's name for Llama 2/3, SmolLM, Mistral-style files
+GROUP_SIZE = 32  # every block quant MLX reads has blocks of 32
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_SUFFIXES = (".weight", ".scales", ".biases", ".bias")
+
+
+@dataclass
+class GGUFModel:
+    """What :func:`load_gguf` gives the engine's loader."""
+
+    model: Any  # nn.Module (mlx-lm's llama Model)
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict
+    header: GGUFHeader
+    notes: list[str] = field(default_factory=list)
+
+
+def module_path(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; GGUFError for a name
+    that has no place in a llama model."""
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in TOP_NAMES and suffix in ("weight", "bias"):
+        return f"{TOP_NAMES[base]}.{suffix}"
+    raise GGUFError(f"tensor {gguf_name!r} has no place in a llama model")
+
+
+def _meta(header: GGUFHeader, key: str, default: Any = None) -> Any:
+    return header.get(f"{header.architecture}.{key}", default)
+
+
+def check_header(header: GGUFHeader, where: str) -> None:
+    """Everything that makes a file unusable, said in one line before any tensor is read."""
+    arch = header.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(f"unsupported GGUF architecture {arch or 'none'!r} in {where}: chatapp reads "
+                        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, Mistral-style) files")
+    other = unreadable_types(header)
+    if other:
+        kinds = ", ".join(f"{name} ({n} tensors)" for name, n in sorted(other.items()))
+        raise GGUFError(f"{where} holds {kinds}, which chatapp does not read: use a Q4_0, Q4_1, Q8_0 or "
+                        "F16 GGUF of the model, or its MLX conversion")
+    names = {t.name for t in header.tensors}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(f"{where} scales RoPE per frequency (rope_freqs, Llama 3.1 style), which chatapp does not "
+                        "read from GGUF yet: use the model's MLX conversion")
+    for key in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
+        if _meta(header, key) is None:
+            raise GGUFError(f"{where} is missing {arch}.{key} in its metadata")
+    if "token_embd.weight" not in names:
+        raise GGUFError(f"{where} has no token_embd.weight tensor")
+    for t in header.tensors:
+        try:
+            module_path(t.name)
+        except GGUFError as err:
+            raise GGUFError(f"{where}: {err}") from None
+    check_vocabulary(header, where)
+
+
+def _quant(t: TensorInfo) -> dict | None:
+    bits = QUANT_BITS.get(t.type_name)
+    return {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"} if bits else None
+
+
+def _f32(x: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.99999975e-06 -> 1e-05)."""
+    return float(f"{float(x):.7g}")
+
+
+def config_from_header(header: GGUFHeader) -> dict:
+    """An mlx-lm/Hugging Face style llama config.json from the file's metadata."""
+    heads = int(_meta(header, "attention.head_count"))
+    hidden = int(_meta(header, "embedding_length"))
+    tokens = header.get("tokenizer.ggml.tokens") or []
+    infos = {t.name: t for t in header.tensors}
+    config: dict[str, Any] = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_meta(header, "block_count")),
+        "intermediate_size": int(_meta(header, "feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_meta(header, "attention.head_count_kv", heads)),
+        "head_dim": int(_meta(header, "attention.key_length", hidden // heads)),
+        "rms_norm_eps": _f32(_meta(header, "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _f32(_meta(header, "rope.freq_base", 10000.0)),
+        "rope_traditional": False,  # attn_q/attn_k rows are un-permuted on load
+        "max_position_embeddings": int(_meta(header, "context_length", 2048)),
+        "vocab_size": int(_meta(header, "vocab_size", len(tokens) or infos["token_embd.weight"].shape[-1])),
+        "tie_word_embeddings": "output.weight" not in infos,
+        "attention_bias": "blk.0.attn_q.bias" in infos,
+        "mlp_bias": "blk.0.ffn_up.bias" in infos,
+    }
+    if _meta(header, "rope.scaling.type") == "linear" and _meta(header, "rope.scaling.factor"):
+        config["rope_scaling"] = {"type": "linear", "factor": float(_meta(header, "rope.scaling.factor"))}
+    for key in ("bos", "eos"):
+        if header.get(f"tokenizer.ggml.{key}_token_id") is not None:
+            config[f"{key}_token_id"] = int(header.get(f"tokenizer.ggml.{key}_token_id"))
+    quant: dict[str, Any] = {}
+    for t in header.tensors:
+        q = _quant(t)
+        if q is not None and t.name.endswith(".weight"):
+            quant[module_path(t.name)[: -len(".weight")]] = q
+    if quant:
+        bits = sorted((q["bits"] for q in quant.values()), key=[q["bits"] for q in quant.values()].count)[-1]
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine", **quant}
+    return config
+
+
+def _unpermute(w, n_heads: int):
+    """Undo llama.cpp's row order (per head: rotary pairs interleaved) for rotate-half RoPE."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def map_weights(raw: dict, config: dict) -> dict:
+    """``mx.load``'s GGUF tensors -> mlx-lm llama parameter names, q/k rows un-permuted."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out = {}
+    for name, arr in raw.items():
+        base = next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
+        suffix = name[len(base):]
+        if suffix in (".weight", ".bias"):
+            target = module_path(name)
+        else:  # .scales/.biases of a quantised tensor belong to its module
+            target = module_path(base + ".weight")[: -len(".weight")] + suffix
+        kind = base.rsplit(".", 1)[-1]
+        if kind in heads:
+            arr = _unpermute(arr, heads[kind])
+        out[target] = arr
+    return out
+
+
+def describe(header: GGUFHeader) -> list[str]:
+    """What the file is and what loading it did, for --verbose, the TUI's notes and --show-config."""
+    quantised = sum(n for name, n in header.type_counts.items() if name in QUANT_BITS)
+    return [
+        f"GGUF file: {header.path} ({header.get('general.name', '?')}, {header.architecture}, GGUF v{header.version})",
+        f"GGUF tensors: {header.types_line()}",
+        f"GGUF conversion: {quantised} block-quantised tensors kept packed as MLX affine group-{GROUP_SIZE} "
+        "weights (no float copy); attn_q/attn_k rows un-permuted for rotate-half RoPE; "
+        + ("output tied to the embedding; " if "output.weight" not in {t.name for t in header.tensors} else "")
+        + f"tokenizer built from the metadata ({vocab_summary(header)})"
+        + ("; chat template from the file" if header.get("tokenizer.chat_template") else "; no chat template"),
+    ]
+
+
+def open_gguf(path: str | Path) -> GGUFHeader:
+    """The file's header, checked (architecture, tensor types, names, vocabulary): GGUFError else."""
+    header = read_header(path)
+    check_header(header, Path(path).name)
+    return header
+
+
+def load_gguf(path: str | Path) -> GGUFModel:
+    """mlx-lm's llama model, its tokenizer and config from a GGUF file (parameters lazy, unevaluated)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    where = Path(path).name
+    header = open_gguf(path)
+    config = config_from_header(header)
+    tokenizer = build_tokenizer(header, where)
+    try:
+        raw = mx.load(str(path))
+    except Exception as err:  # noqa: BLE001 - the header was fine but the data is not
+        raise GGUFError(f"cannot read the tensors of {where}: {type(err).__name__}: {err}") from err
+    weights = map_weights(raw, config)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    quant = config.get("quantization", {})
+    if quant:
+        nn.quantize(model, class_predicate=lambda p, m: quant.get(p, False) if isinstance(quant.get(p), dict) else False)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as err:
+        raise GGUFError(f"{where}: its tensors do not fit the model its metadata describes: "
+                        f"{str(err).splitlines()[0]}") from err
+    return GGUFModel(model, tokenizer, config, header, describe(header))

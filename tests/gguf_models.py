@@ -1,0 +1,105 @@
+"""Small GGUF files written by the tests, from random-weight mlx-lm Llamas whose numbers are known."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from chatapp.model.gguf import LAYER_NAMES, TOP_NAMES
+from chatapp.model.gguf_writer import F32, Q4_1, Q8_0, T_INT32, Typed, write_tensors
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
+    """A GPT-2 style vocabulary: the 256 byte symbols, one merge, and the ChatML control tokens."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    symbols = sorted(ByteLevel.alphabet())
+    tokens = symbols + ["\u0120t", "<|im_start|>", "<|im_end|>"]
+    types = [1] * (len(symbols) + 1) + [3, 3]
+    return tokens, ["\u0120 t"], types
+
+
+def random_llama(seed: int = 0, tied: bool = True, vocab: int = 259):
+    """mlx-lm's Llama with random float32 weights (rotate-half RoPE, Hugging Face layout)."""
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0,
+                     tie_word_embeddings=tied, max_position_embeddings=512, **SHAPE)
+    model = Model(args)
+    mx.random.seed(seed)
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = {k: mx.random.normal(v.shape) * (0.3 if v.ndim > 1 else 0.1) + (1.0 if v.ndim == 1 else 0.0)
+              for k, v in tree_flatten(model.parameters())}
+    model.update(tree_unflatten(list(params.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q_proj/k_proj rows (pairs rotary dims for its RoPE)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(path: str) -> str:
+    """'model.layers.1.self_attn.q_proj.weight' -> 'blk.1.attn_q.weight'."""
+    inv_layer = {v: k for k, v in LAYER_NAMES.items()}
+    inv_top = {v: k for k, v in TOP_NAMES.items()}
+    base, _, suffix = path.rpartition(".")
+    if base.startswith("model.layers."):
+        _, _, i, rest = base.split(".", 3)
+        return f"blk.{i}.{inv_layer[rest]}.{suffix}"
+    return f"{inv_top[base]}.{suffix}"
+
+
+def metadata(arch: str = "llama", vocab: tuple | None = None, **extra) -> list[tuple]:
+    tokens, merges, types = vocab or byte_level_vocab()
+    meta = [
+        ("general.architecture", arch), ("general.name", "tiny-test-llama"),
+        (f"{arch}.context_length", 512), (f"{arch}.embedding_length", SHAPE["hidden_size"]),
+        (f"{arch}.block_count", SHAPE["num_hidden_layers"]), (f"{arch}.feed_forward_length", SHAPE["intermediate_size"]),
+        (f"{arch}.attention.head_count", SHAPE["num_attention_heads"]),
+        (f"{arch}.attention.head_count_kv", SHAPE["num_key_value_heads"]),
+        (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), (f"{arch}.rope.freq_base", 10000.0),
+        ("tokenizer.ggml.model", "gpt2"), ("tokenizer.ggml.pre", "default"), ("tokenizer.ggml.tokens", tokens),
+        ("tokenizer.ggml.merges", merges), ("tokenizer.ggml.token_type", Typed(9, types, T_INT32)),
+        ("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>")), ("tokenizer.ggml.add_bos_token", False),
+        ("tokenizer.chat_template", CHATML),
+    ]
+    over = dict(extra)
+    return [(k, over.pop(k, v)) for k, v in meta] + list(over.items())
+
+
+def write_model_gguf(path: Path, model, *, permute: bool = True, matrices: int = F32, embedding: int = F32,
+                     meta: list[tuple] | None = None) -> dict[str, np.ndarray]:
+    """Write ``model`` as llama.cpp would (q/k rows permuted unless ``permute`` is False); returns
+    the float values the file stands for, by mlx-lm parameter name (what quantisation made of them)."""
+    from mlx.utils import tree_flatten
+
+    heads = {"q_proj": SHAPE["num_attention_heads"], "k_proj": SHAPE["num_key_value_heads"]}
+    tensors, names = [], []
+    for name, value in tree_flatten(model.parameters()):
+        arr = np.array(value.astype(mx.float32))
+        kind = F32 if arr.ndim == 1 else (embedding if "embed_tokens" in name else matrices)
+        module = name.rsplit(".", 2)[-2]
+        if module in heads and permute:
+            arr = llama_cpp_permute(arr, heads[module])
+        tensors.append((gguf_name(name), arr, kind))
+        names.append(name)
+    stored = write_tensors(path, meta or metadata(), tensors)
+    out = {}
+    for name, (gname, _, _) in zip(names, tensors):
+        values = stored[gname].reshape(np.shape(tensors[names.index(name)][1]))
+        module = name.rsplit(".", 2)[-2]
+        if module in heads and permute:  # back to the model's own row order
+            n = heads[module]
+            values = values.reshape(n, values.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
+        out[name] = values
+    return out
