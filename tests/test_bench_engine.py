@@ -169,3 +169,18 @@ def test_prefix_bench_smoke(tmp_path, monkeypatch):
     assert all(w["prefilled"] == w["prompt"] - w["prefix"] for w in run["warm"])
     assert all(c["prefix"] == 0 and c["prefilled"] == c["prompt"] for c in run["cold"])
     assert data["meta"]["targets"] == []  # no length reached the 2,000-token target here
+
+def test_recall_bench_smoke(tmp_path, monkeypatch):
+    """Plumbing only (a random model's answers mean nothing): rows, equal KV bytes per budget."""
+    from chatapp.bench import quality_bench, recall_bench
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    js = tmp_path / "recall.json"
+    args = parse("recall", ["--random", "--conversations", "2", "--filler-turns", "2", "--filler-words", "30",
+                            "--budgets", "64", "--evict-chunk", "16", "--max-new", "2", "--json", str(js)])
+    assert recall_bench.run(args) == 0
+    data = json.loads(js.read_text())
+    rows = {r[0]: r for r in data["rows"]}
+    assert list(rows) == ["prealloc", "window@64", "scored@64"]
+    assert all(r[1] == 2 and 0 <= r[3] <= 1 for r in rows.values())
+    assert rows["window@64"][5] < rows["prealloc"][5]  # the budget really bounded the cache
