@@ -97,7 +97,9 @@ def _run_peer(peer: str, spec: dict, log) -> dict:
         if out.returncode != 0:
             raise RuntimeError(f"{peer} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
-        log(f"# {peer}{' (load only)' if spec.get('load_only') else ''}: done in {time.perf_counter() - t:.0f} s")
+        rates = "" if spec.get("load_only") else (
+            f" (decode {res.get('decode_tok_s', 0):.2f} tok/s, prefill {res.get('prefill_tok_s', 0):.1f} tok/s)")
+        log(f"# {peer}{' (load only)' if spec.get('load_only') else ''}: done in {time.perf_counter() - t:.0f} s{rates}")
         return res
     finally:
         os.unlink(f.name)
