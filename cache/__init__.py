@@ -1,6 +1,6 @@
 """KV cache library for mlx-lm models: pure MLX, no UI, no I/O.
 
-One cache object per layer speaking mlx-lm's cache protocol, in five modes (see settings.py).
+One cache object per layer speaking mlx-lm's cache protocol, in six modes (see settings.py).
 
 The names below load lazily (PEP 562): ``import cache.settings`` (the modes and the cache rules,
 ``CacheSettings.validate``) loads no MLX, so config, UI and CLI can use the one copy of the rules
@@ -18,6 +18,7 @@ _WHERE = {
     "ModelGeometry": "factory", "check_settings": "factory", "make_caches": "factory", "model_geometry": "factory",
     "CACHE_CLASSES": "kv", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantizedKVCache": "kv",
     "SegmentedKVCache": "kv", "WindowKVCache": "kv", "WindowQuantKVCache": "kv",
+    "ScoredKVCache": "scored",
     "MODES": "settings", "CacheConfigError": "settings", "CacheSettings": "settings",
     "CacheUsage": "usage", "total_usage": "usage",
 }

@@ -8,6 +8,7 @@ from typing import Any
 from .attention import install_attention
 from .kv import CACHE_CLASSES, CacheStateError
 from .rope import Repositioner, check_pure_rotation
+from .scored import ScoredKVCache  # noqa: F401  (registers the scored mode)
 from .settings import QUANT_GROUP_SIZES, CacheConfigError, CacheSettings
 
 

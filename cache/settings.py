@@ -8,13 +8,15 @@ The modes and what they mean:
   tokens are evicted and the kept keys re-positioned.
 - ``window-quant``: sinks and a recent window at full precision, older tokens quantised, and
   beyond ``max_kv_tokens`` the oldest non-sink tokens evicted with the same re-positioning.
+- ``scored``: sinks and a recent window always kept; beyond ``max_kv_tokens`` the middle tokens
+  with the least accumulated attention are evicted and the kept keys re-positioned (scored.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant")
+MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 
@@ -33,7 +35,7 @@ class CacheSettings:
     kv_bits: int = 8
     kv_group_size: int = 64
     quant_start: int = 512  # quantized mode: tokens held at full precision before converting
-    max_kv_tokens: int = 4096  # window-quant: token budget; older non-sink tokens are evicted
+    max_kv_tokens: int = 4096  # window-quant, scored: token budget; older non-sink tokens are evicted
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,7 +68,7 @@ class CacheSettings:
 
     @property
     def evicts(self) -> bool:
-        return self.mode in ("window", "window-quant")
+        return self.mode in ("window", "window-quant", "scored")
 
     @property
     def quantizes(self) -> bool:
@@ -77,7 +79,7 @@ class CacheSettings:
         """Most tokens held after maintenance, or None when the cache keeps everything."""
         if self.mode == "window":
             return self.sinks + self.window
-        if self.mode == "window-quant":
+        if self.mode in ("window-quant", "scored"):
             return self.max_kv_tokens
         return None
 
@@ -119,7 +121,7 @@ class CacheSettings:
             window = min(window, budget - sinks)
         if window != self.window:
             notes.append(f"window {self.window} -> {window}")
-        if self.mode == "window-quant" and budget != self.max_kv_tokens:
+        if self.mode != "window" and budget != self.max_kv_tokens:
             notes.append(f"max_kv_tokens {self.max_kv_tokens} -> {budget}")
         fitted = replace(self, evict_chunk=chunk, sinks=sinks, window=window, max_kv_tokens=budget)
         why = f"to stay inside the model's trained context of {max_positions} positions"

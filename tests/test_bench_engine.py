@@ -117,18 +117,22 @@ def test_quality_bench_smoke(tmp_path, monkeypatch):
     args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "120", "--split", "64",
                              "--prefill", "8", "--window", "32", "--evict-chunk", "16", "--max-kv-tokens", "64",
                              "--quant-start", "32", "--cache-mode", "window,prealloc,quantized",
-                             "--json", str(js), "--plot", str(png)])
+                             "--budgets", "40", "--json", str(js), "--plot", str(png)])
     assert quality_bench.run(args) == 0
     data = check_files(js, png)
-    assert data["columns"][:5] == ["mode", "tokens", "held at end", "ppl all", "ppl after 64"]
+    assert data["columns"][:6] == ["mode", "tokens", "held at end", "KV bytes held", "ppl all", "ppl after 64"]
     rows = {r[0]: r for r in data["rows"]}
-    assert list(rows) == ["prealloc", "window", "quantized"]  # prealloc first: the reference
+    assert list(rows) == ["prealloc", "window", "quantized", "window@40", "scored@40"]  # prealloc first
     assert rows["prealloc"][1] == 120 and rows["prealloc"][2] == 119
     assert rows["window"][2] < 119  # evicted
-    assert float(rows["prealloc"][5]) == 1.0 and float(rows["prealloc"][6]) == 0
-    assert float(rows["window"][6]) >= 0
+    assert rows["scored@40"][2] < 119 and rows["scored@40"][3] < rows["prealloc"][3]
+    # equal budgets hold equal bytes (both full precision; held counts may differ by < one chunk)
+    per_tok = rows["prealloc"][3] / rows["prealloc"][2]
+    assert rows["scored@40"][3] == rows["scored@40"][2] * per_tok
+    assert float(rows["prealloc"][6]) == 1.0 and float(rows["prealloc"][7]) == 0
+    assert float(rows["window"][7]) >= 0
     for r in data["rows"]:
-        assert r[3] > 1 and r[4] > 1 and not math.isnan(r[3])
+        assert r[4] > 1 and r[5] > 1 and not math.isnan(r[4])
 
 
 def test_quality_bench_skips_quantised_kv_on_head_dim_8(tmp_path, stories4_path):
@@ -165,3 +169,18 @@ def test_prefix_bench_smoke(tmp_path, monkeypatch):
     assert all(w["prefilled"] == w["prompt"] - w["prefix"] for w in run["warm"])
     assert all(c["prefix"] == 0 and c["prefilled"] == c["prompt"] for c in run["cold"])
     assert data["meta"]["targets"] == []  # no length reached the 2,000-token target here
+
+def test_recall_bench_smoke(tmp_path, monkeypatch):
+    """Plumbing only (a random model's answers mean nothing): rows, equal KV bytes per budget."""
+    from chatapp.bench import quality_bench, recall_bench
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    js = tmp_path / "recall.json"
+    args = parse("recall", ["--random", "--conversations", "2", "--filler-turns", "2", "--filler-words", "30",
+                            "--budgets", "64", "--evict-chunk", "16", "--max-new", "2", "--json", str(js)])
+    assert recall_bench.run(args) == 0
+    data = json.loads(js.read_text())
+    rows = {r[0]: r for r in data["rows"]}
+    assert list(rows) == ["prealloc", "window@64", "scored@64"]
+    assert all(r[1] == 2 and 0 <= r[3] <= 1 for r in rows.values())
+    assert rows["window@64"][5] < rows["prealloc"][5]  # the budget really bounded the cache

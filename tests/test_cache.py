@@ -31,6 +31,18 @@ def kept_tokens(ids: list[int], sinks: int, evicted: int) -> list[int]:
     return ids[:sinks] + ids[sinks + evicted :] if evicted else list(ids)
 
 
+def drop(kept: list[int], cache, dropped: int) -> list[int]:
+    """The tokens still held after ``cache`` dropped ``dropped`` of ``kept``: the oldest non-sink
+    ones, or for the scored mode the ones its last eviction names."""
+    if not dropped:
+        return kept
+    if cache.mode == "scored":
+        gone = set(cache.last_dropped)
+        assert len(gone) == dropped
+        return [t for i, t in enumerate(kept) if i not in gone]
+    return kept[: cache.sinks] + kept[cache.sinks + dropped :]
+
+
 def decode(model, caches, ids: list[int], prefill: int) -> mx.array:
     """Prefill ``prefill`` tokens, then one token per step; logits of every position."""
     out = [model(mx.array([ids[:prefill]]), cache=caches)[0]]
@@ -314,8 +326,7 @@ def test_any_sequence_of_operations_matches_recompute(start, ops, seed):
             history += new
             kept += new
             dropped = (caches[0].offset, caches[0].evicted - before)[1]  # offset settles the policy
-            if dropped:
-                kept = kept[: PROP["sinks"]] + kept[PROP["sinks"] + dropped :]
+            kept = drop(kept, caches[0], dropped)
         elif kind == "trim":
             n = min(arg, len(kept))
             assert all(c.trim(n) == n for c in caches)
@@ -329,12 +340,10 @@ def test_any_sequence_of_operations_matches_recompute(start, ops, seed):
                 if history:
                     model(mx.array([history]), cache=caches)
                     if caches[0].evicted:
-                        kept = kept_tokens(history, PROP["sinks"], caches[0].evicted)
+                        kept = drop(kept, caches[0], caches[0].evicted)
             elif conv.action == "converted":
                 lossy = lossy or conv.lossy
-                dropped = caches[0].evicted - before
-                if dropped:
-                    kept = kept[: PROP["sinks"]] + kept[PROP["sinks"] + dropped :]
+                kept = drop(kept, caches[0], caches[0].evicted - before)
         u = total_usage(caches)
         assert u.tokens == len(kept) == caches[0].offset
         for c in caches:

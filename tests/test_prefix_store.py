@@ -29,7 +29,7 @@ SYSTEM = ("You are a helpful assistant who answers questions about small animals
 IDENT = ModelIdentity("tiny", "tiny", "fingerprint-a")
 ROOMY = CacheSettings(window=1024, max_kv_tokens=2048, quant_start=1024)  # no mode quantises or evicts a prompt
 SMALL = CacheSettings(sinks=4, window=48, evict_chunk=16, max_kv_tokens=96, quant_start=40)
-MODES = ["concat", "prealloc", "quantized", "window", "window-quant"]
+MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored"]
 
 
 def tokenizer():
@@ -193,11 +193,12 @@ def test_a_chat_that_does_not_save_reads_but_never_writes(tmp_path):
 
 
 # ---- what is stored ---------------------------------------------------------------------------------
-def test_a_lossy_cache_mode_stores_the_same_full_precision_blocks(tmp_path):
-    """window with a small window evicts the prompt while prefilling it: the store runs it again at
-    full precision, so the blocks are those a prealloc conversation stores, byte for byte."""
-    lossy, exact = tmp_path / "window", tmp_path / "prealloc"
-    s = session("window", cache_settings=SMALL)
+@pytest.mark.parametrize("mode", ["window", "scored"])
+def test_a_lossy_cache_mode_stores_the_same_full_precision_blocks(mode, tmp_path):
+    """window (or scored) with a small budget evicts the prompt while prefilling it: the store runs
+    it again at full precision, so the blocks are those a prealloc conversation stores, byte for byte."""
+    lossy, exact = tmp_path / mode, tmp_path / "prealloc"
+    s = session(mode, cache_settings=SMALL)
     with open_chat(s, IDENT, lossy, prefix_cap_mb=64) as chat:
         run_turn(chat.send("Tell me about a cat."))
         assert s.caches[0].evicted > 0

@@ -21,7 +21,7 @@ from chatapp.store.snapshot import (
 from tests.conftest import tiny_llama
 
 SMALL = dict(sinks=4, window=48, evict_chunk=16, max_kv_tokens=96, quant_start=40)
-MODES = ["concat", "prealloc", "quantized", "window", "window-quant"]
+MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored"]
 
 
 def ids(n: int, seed: int = 3) -> list[int]:
@@ -69,7 +69,7 @@ def test_restore_round_trip_through_a_file_gives_identical_logits(mode, tmp_path
     if mode == "window-quant":  # the hard case: quantised tokens, a rotation delta and evictions
         assert live[0].delta_q > 0 and live[0].evicted > 0 and u_live.quant_tokens > 0
         assert restored[0].delta_q == live[0].delta_q
-    if mode == "window":
+    if mode in ("window", "scored"):
         assert live[0].evicted > 0
     if mode == "quantized":
         assert u_live.quant_tokens > 0

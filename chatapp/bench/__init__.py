@@ -20,6 +20,7 @@ BENCHES = {
     "prefix": "chatapp.bench.prefix_bench",
     "distributed": "chatapp.bench.distributed_bench",
     "numerics": "chatapp.bench.numerics_bench",
+    "recall": "chatapp.bench.recall_bench",
 }
 
 

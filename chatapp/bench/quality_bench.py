@@ -34,7 +34,7 @@ from chatapp.bench.report import BenchReport, emit, line_plot, mode_list
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
 DEFAULT_MODEL = str(SHARED / "stories260K")
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant")
+MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
 OPENINGS = [
     "Once upon a time,",
     "One day, a little boy named Tim",
@@ -51,6 +51,17 @@ BUCKET = 128  # positions per point of the plot
 KL_LIMIT = 50_000_000  # store full distributions (for KL) only below this many floats
 
 
+
+
+def budget_list(text: str) -> list[int]:
+    """Comma-separated positive token budgets, e.g. "256,512"."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets must be comma-separated integers (got {text!r})") from None
+    if any(b < 8 for b in out):
+        raise argparse.ArgumentTypeError(f"budgets must be >= 8 tokens (got {text!r})")
+    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -79,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-start", type=int, default=512)
     p.add_argument("--kv-bits", type=int, default=8)
     p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--budgets", type=budget_list, default=[],
+                   help="comma list of token budgets B: adds rows window@B (sinks + window = B) and scored@B "
+                        "(max_kv_tokens = B, recent window min(--window, B/4)), to compare at equal KV bytes")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
     p.add_argument("--seed", type=int, default=0)
 
@@ -143,12 +157,28 @@ def load(args) -> tuple[Any, Any, str]:
                                     f"{lm.dtype}, trained context {lm.max_position_embeddings}")
 
 
-def settings_for(args, mode: str, geom):
+def row_specs(args) -> list[tuple[str, str, dict]]:
+    """(row label, cache mode, setting overrides): every mode asked for, then the budget rows."""
+    modes = args.cache_mode or list(MODES)
+    if "prealloc" in modes:  # the reference runs first
+        modes = ["prealloc"] + [m for m in modes if m != "prealloc"]
+    rows = [(m, m, {}) for m in modes]
+    for b in args.budgets:
+        rows.append((f"window@{b}", "window", dict(window=b - args.sinks)))
+        rows.append((f"scored@{b}", "scored", dict(max_kv_tokens=b, window=min(args.window, b // 4))))
+    return rows
+
+
+def settings_for(args, mode: str, geom, **overrides):
     from cache import CacheSettings
 
-    s = CacheSettings(mode=mode, sinks=args.sinks, window=args.window, evict_chunk=args.evict_chunk,
-                      max_kv_tokens=args.max_kv_tokens, quant_start=args.quant_start, kv_bits=args.kv_bits,
-                      kv_group_size=args.kv_group_size)
+    knobs = dict(sinks=args.sinks, window=args.window, evict_chunk=args.evict_chunk,
+                 max_kv_tokens=args.max_kv_tokens, quant_start=args.quant_start, kv_bits=args.kv_bits,
+                 kv_group_size=args.kv_group_size)
+    knobs.update(overrides)
+    if knobs["max_kv_tokens"] < knobs["sinks"] + knobs["window"]:
+        knobs["max_kv_tokens"] = knobs["sinks"] + knobs["window"]
+    s = CacheSettings(mode=mode, **knobs)
     if args.no_fit:
         return s, []
     return s.fitted(geom.max_positions)
@@ -160,7 +190,7 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
     import mlx.core as mx
     import numpy as np
 
-    from cache import make_caches
+    from cache import make_caches, total_usage
 
     caches = make_caches(model, settings, geom)
     n = len(tokens)
@@ -200,7 +230,7 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
     held = caches[0].offset
     evicted = getattr(caches[0], "evicted", 0)
     return dict(lps=lps, dists=np.concatenate(dists) if dists else None, seconds=seconds, held=held,
-                evicted=evicted, max_held=max_held)
+                evicted=evicted, max_held=max_held, kv_bytes=total_usage(caches).bytes_held)
 
 
 def llama_cpp_ppl(args, tokens: list[int]) -> dict[str, Any] | None:
@@ -261,15 +291,14 @@ def run(args) -> int:
         raise SystemExit("the text has fewer than 2 tokens")
     print(f"# model: {desc}; {n} tokens")
 
-    modes = args.cache_mode or list(MODES)
-    if "prealloc" in modes:  # the reference runs first
-        modes = ["prealloc"] + [m for m in modes if m != "prealloc"]
+    rows = row_specs(args)
+    modes = [label for label, _, _ in rows]
     vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
     keep = "prealloc" in modes and vocab * n <= KL_LIMIT
     results, skipped, notes_all = {}, {}, {}
     split = min(args.split, n - 1)
-    for mode in modes:
-        settings, notes = settings_for(args, mode, geom)
+    for mode, cache_mode, overrides in rows:
+        settings, notes = settings_for(args, cache_mode, geom, **overrides)
         try:
             check_settings(settings, geom)
         except CacheConfigError as e:
@@ -291,7 +320,7 @@ def run(args) -> int:
         print(f"# llama.cpp: ppl {ppl(llama_cpp['lps']):.3f} ({llama_cpp['seconds']:.1f} s)")
     ref = results.get("prealloc")
     rep = BenchReport(f"quality: teacher-forced perplexity per cache mode (split at {split})",
-                      ["mode", "tokens", "held at end", "ppl all", f"ppl after {split}",
+                      ["mode", "tokens", "held at end", "KV bytes held", "ppl all", f"ppl after {split}",
                        "after / prealloc", "KL vs prealloc after"])
     for mode, r in results.items():
         after = ppl(r["lps"][split:])
@@ -302,7 +331,7 @@ def run(args) -> int:
             kl = float(np.mean(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)))
         r["kl_after"] = kl
         r["rel_after"] = rel
-        rep.add(mode, n, r["held"], round(ppl(r["lps"]), 4), round(after, 4),
+        rep.add(mode, n, r["held"], r["kv_bytes"], round(ppl(r["lps"]), 4), round(after, 4),
                 f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a")
 
     if llama_cpp is not None:

@@ -226,7 +226,11 @@ class Session:
             common -= 1  # the last prompt token must run again to give the next token's logits
         evicted = self.caches[0].evicted
         sinks = self.settings.sinks if self.settings.evicts else 0
-        if evicted and common < sinks + evicted:
+        # Tokens before this conversation index may have been evicted: the window modes evict
+        # the oldest non-sinks; the scored mode anywhere before its contiguous tail.
+        tail = getattr(self.caches[0], "contiguous_tail", None)
+        floor = sinks + evicted if tail is None else len(self.cached) - tail
+        if evicted and common < floor:
             # The divergence lies in history the window already dropped: start over.
             self._reset_caches()
             return 0
@@ -454,7 +458,13 @@ class Session:
             memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
+            attention_sparsity=self._attention_sparsity(),
         )
+
+    def _attention_sparsity(self) -> float | None:
+        """Mean over layers of the scored caches' evictable attention share (None otherwise)."""
+        shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
+        return sum(shares) / len(shares) if shares else None
 
 
 def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> Iterator[CompareRow]:

@@ -29,6 +29,9 @@ class CacheView:
     conversation_tokens: int = 0  # tokens the whole conversation renders to
     first_visible_message: int = 0  # messages before this one are outside the model's window
     per_layer_bytes: list[int] = field(default_factory=list)
+    # Scored mode: share of the recent attention mass (decayed, ~200 queries) that fell on tokens
+    # the policy could evict (the middle, not sinks or recent window); None for other modes.
+    attention_sparsity: float | None = None
 
     @property
     def memory_share(self) -> float:

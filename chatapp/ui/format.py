@@ -28,14 +28,15 @@ MODE_HELP = {
     "quantized": "full precision up to quant_start tokens, then kv_bits-bit keys/values",
     "window": "attention sinks + the last `window` tokens; older ones are evicted",
     "window-quant": "sinks + recent window at full precision, older tokens quantised, max_kv_tokens in all",
+    "scored": "sinks + recent window kept; past max_kv_tokens the least-attended older tokens are evicted",
 }
 #: The settings the mode dialog edits, with the modes they matter for.
 MODE_FIELDS = {
-    "window": ("window", "window-quant", "auto"),
-    "sinks": ("window", "window-quant", "auto"),
+    "window": ("window", "window-quant", "scored", "auto"),
+    "sinks": ("window", "window-quant", "scored", "auto"),
     "kv_bits": ("quantized", "window-quant", "auto"),
     "kv_group_size": ("quantized", "window-quant", "auto"),
-    "max_kv_tokens": ("window-quant", "auto"),
+    "max_kv_tokens": ("window-quant", "scored", "auto"),
 }
 KV_BITS = (4, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -136,7 +137,7 @@ def live_cache(stats: TurnStats, last: CacheView | None, budget: int | None = No
     last = last or CacheView()
     covered = stats.reused_tokens + stats.prefill_tokens + stats.generated_tokens
     tokens = max(last.tokens + covered - last.conversation_tokens, stats.generated_tokens, 0)
-    evicting = stats.mode in ("window", "window-quant")
+    evicting = stats.mode in ("window", "window-quant", "scored")
     if evicting and budget:
         tokens = min(tokens, budget)
     per_token = last.bytes_held / last.tokens if last.tokens else 0.0
@@ -207,6 +208,8 @@ def status_items(model: str, mode: str, stats: TurnStats | None, cache: CacheVie
         *memory_items(memory, c.bytes_held),
         StatusItem("full/quant/evicted", f"{c.full_tokens:,}/{c.quant_tokens:,}/{c.evicted:,}"),
     ]
+    if c.attention_sparsity is not None:
+        items.append(StatusItem("attn on evictable", f"{c.attention_sparsity:.0%}"))
     if phase:
         items.insert(1, StatusItem("", phase, "italic"))
     return items
