@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from chatapp.model.gguf import LAYER_NAMES, TOP_NAMES
-from chatapp.model.gguf_writer import F32, Q4_1, Q8_0, T_INT32, Typed, write_tensors
+from chatapp.model.gguf_writer import F32, T_INT32, Typed, write_tensors
 
 CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

@@ -14,8 +14,8 @@ from cache import CacheSettings, set_decode_kernels  # noqa: E402
 from cache.attention import decode_kernels  # noqa: E402
 from chatapp.backend import cpu, decode_attention  # noqa: E402
 from chatapp.backend.cpu import CpuQuantizedLinear, accelerate_model, apply_fast_path  # noqa: E402
-from chatapp.engine.generate import GenerationSettings  # noqa: E402
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.generate import GenerationSettings  # noqa: E402
 from chatapp.engine.session import Session  # noqa: E402
 from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer  # noqa: E402
 from tests.test_backend_cpu import greedy  # noqa: E402 (mlx-lm's KVCache, argmax each step)

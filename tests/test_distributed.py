@@ -26,8 +26,8 @@ import pytest
 
 from chatapp import slash_commands
 from chatapp.distributed import channel as dist_channel
-from chatapp.distributed import shard as dist_shard
 from chatapp.distributed import job as dist_job
+from chatapp.distributed import shard as dist_shard
 from chatapp.distributed.channel import Watchdog
 from chatapp.distributed.launch import launched, world_from_env
 from chatapp.distributed.shard import ShardError, check_shardable
@@ -491,7 +491,6 @@ def test_stdin_commands_parse():
 
 def test_commands_apply_to_a_session(stories):
     from cache import CacheSettings
-
     from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.session import Session
 

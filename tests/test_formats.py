@@ -15,8 +15,8 @@ import pytest
 
 from chatapp.cli import main
 from chatapp.config import ConfigError, load_config
-from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.events import TokenEvent
+from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.session import Session
 from chatapp.engine.setup import load_engine, session_from_config
 from chatapp.errors import SetupError

@@ -19,9 +19,8 @@ from mlx.utils import tree_flatten
 
 from chatapp.model import device, loader
 from chatapp.model.device import BackendInfo, cast_floating, checkpoint_float_dtype, pick_backend
-from chatapp.model.legacy import load_legacy_tokenizer
 from chatapp.model.hub import DownloadProgress, progress_tqdm_class
-from chatapp.model.legacy import legacy_weight_name
+from chatapp.model.legacy import legacy_weight_name, load_legacy_tokenizer
 from chatapp.model.loader import (
     available_memory_bytes,
     estimate_weight_bytes,

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache import CacheSettings
-from chatapp.prompt.conversation import Conversation
 from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.session import Session
+from chatapp.prompt.conversation import Conversation
 from chatapp.store import ChatStore
 from chatapp.store import prefixes as px
 from chatapp.store.chat import ModelIdentity, open_chat

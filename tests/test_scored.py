@@ -4,7 +4,9 @@ evicted, kept keys re-positioned exactly, scores that follow attention, state ro
 from __future__ import annotations
 
 import mlx.core as mx
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from cache import CacheSettings, make_caches
 from cache.factory import restore_caches

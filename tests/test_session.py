@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheSettings
+from chatapp.engine.events import TokenEvent, TurnDone
+from chatapp.engine.generate import GenerationSettings, StopMatcher, run_turn
+from chatapp.engine.session import Session, compare_modes
 from chatapp.prompt.conversation import Conversation
 from chatapp.prompt.formats import PromptFormat
-from chatapp.engine.generate import GenerationSettings, StopMatcher, run_turn
-from chatapp.engine.events import TokenEvent, TurnDone
-from chatapp.engine.session import Session, compare_modes
 
 GREEDY = GenerationSettings(temp=0.0, max_tokens=24)
 QUESTIONS = [
@@ -195,9 +195,8 @@ def test_compare_modes_replays_last_turn(stories):
 def test_random_model_all_modes_multi_turn():
     """A random-weight model with head_dim 64: every mode runs several turns without error,
     and the quantised modes really hold quantised tokens."""
-    from tests.conftest import tiny_llama
-
     from chatapp.model.synthetic import byte_tokenizer
+    from tests.conftest import tiny_llama
 
     tok = byte_tokenizer()
     model = tiny_llama(layers=2)

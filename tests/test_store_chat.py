@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from cache import CacheSettings
-from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.events import TokenEvent, TurnDone
+from chatapp.engine.generate import GenerationSettings, run_turn
 from chatapp.engine.session import Session
 from chatapp.store import ChatStore
 from chatapp.store.chat import PARTIAL_TOKENS, ModelIdentity, PersistentChat, open_chat
@@ -365,8 +365,8 @@ def test_resume_unknown_id_is_refused(stories_loaded, stories_id, tmp_path):
 def test_a_chat_template_that_refuses_the_conversation_is_a_clear_refusal():
     """A transcript ending with an unanswered user message (a kill before the first token),
     resumed with a template that insists on alternating roles: refused, never a crash."""
-    from chatapp.prompt.conversation import Conversation
     from chatapp.model.synthetic import byte_tokenizer
+    from chatapp.prompt.conversation import Conversation
 
     tok = byte_tokenizer()
     tok._tokenizer.chat_template = (

@@ -26,7 +26,13 @@ from chatapp.ui.app import ChatApp  # noqa: E402
 from chatapp.ui.format import MODES  # noqa: E402
 from chatapp.ui.screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog  # noqa: E402
 from chatapp.ui.widgets import (  # noqa: E402
-    EVICTED_TAG, AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage,
+    EVICTED_TAG,
+    AssistantMessage,
+    ChatInput,
+    ChatView,
+    SidePanel,
+    StatusBar,
+    UserMessage,
 )
 
 pytestmark = pytest.mark.shared

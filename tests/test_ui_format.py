@@ -10,11 +10,27 @@ from rich.cells import cell_len
 from rich.console import Console
 from textual.app import App
 
-from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 from chatapp.engine.events import LoadProgress
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 from chatapp.ui.format import (
-    MODES, StatusItem, context_bucket, fmt_rate, fmt_seconds_ms, fmt_share, freeze, hbar, live_cache, memory_items,
-    mode_table, model_label, next_mode, pack, render_lines, spark, status_items, steps_by_context,
+    MODES,
+    StatusItem,
+    context_bucket,
+    fmt_rate,
+    fmt_seconds_ms,
+    fmt_share,
+    freeze,
+    hbar,
+    live_cache,
+    memory_items,
+    mode_table,
+    model_label,
+    next_mode,
+    pack,
+    render_lines,
+    spark,
+    status_items,
+    steps_by_context,
     validate_mode_fields,
 )
 from chatapp.ui.screens import CompareScreen, LoadingScreen

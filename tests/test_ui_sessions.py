@@ -10,15 +10,22 @@ import pytest
 
 pytest.importorskip("textual")
 
+from test_ui import (  # noqa: E402
+    async_test,
+    make_config,
+    press_nowait,
+    ready,
+    replies,
+    screen_text,
+    turn,
+    wait_until,
+)
+
 from chatapp.store import ChatStore  # noqa: E402
 from chatapp.store.paths import snapshot_path  # noqa: E402
 from chatapp.ui.app import ChatApp  # noqa: E402
 from chatapp.ui.screens import ConfirmDialog, RenameDialog, SessionsScreen  # noqa: E402
 from chatapp.ui.widgets import AssistantMessage, ChatInput, UserMessage  # noqa: E402
-
-from test_ui import (  # noqa: E402
-    async_test, make_config, press_nowait, ready, replies, screen_text, turn, wait_until,
-)
 
 pytestmark = pytest.mark.shared
 

@@ -37,6 +37,7 @@ from .qlinear import (
 DENSE_WEIGHT_MODES = ("auto", "on", "off")
 KERNEL_MODES = ("auto", "off")
 from chatapp.config import NUMERICS  # noqa: E402  (the one list of cpu.numerics values)
+
 KERNEL_MAX_TOKENS = 4  # packed-weight products up to this many tokens; dequantise + gemm above
 
 

@@ -65,8 +65,8 @@ def decode_mixed(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale
                  bits: int, group_size: int, quant_queries: mx.array | None) -> mx.array | None:
     """One query over [full sinks] | quantised middle | full recent, as attend_mixed builds them."""
     from chatapp.kernels.attention import attend_parts
-    from chatapp.kernels.qmatmul import GROUP_SIZES, group_sums, split_even_odd
     from chatapp.kernels.pool import chunks, pool
+    from chatapp.kernels.qmatmul import GROUP_SIZES, group_sums, split_even_odd
 
     kinds = [p[0] for p in parts]
     if not _handles(queries, mask) or kinds not in (["full", "quant", "full"], ["quant", "full"]):

@@ -60,7 +60,7 @@ import mlx.nn as nn
 
 import cache
 from cache.rope import Repositioner
-from chatapp.bench.report import BenchReport, emit, line_plot, int_list, mode_list
+from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_list
 
 DTYPE = mx.bfloat16
 

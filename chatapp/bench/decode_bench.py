@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.report import BenchReport, emit, line_plot, int_list, mode_list
+from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_list
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit")
 BIG = "llama2-7b-geometry"
@@ -193,8 +193,8 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: b
     import mlx.core as mx
 
     from cache import make_caches
-    from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.events import TurnDone
+    from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from chatapp.bench.common import STORIES, fast_path, load_stories, model_names, start_bench
-from chatapp.bench.report import BenchReport, emit, line_plot, int_list
+from chatapp.bench.report import BenchReport, emit, int_list, line_plot
 
 RANDOM_SHAPE = dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
                     head_dim=128, intermediate_size=2816, vocab_size=258, max_position_embeddings=4096)
@@ -114,7 +114,7 @@ def _history(session, length: int):
 
 def _save(model, tok, ident, args, data_dir: Path, length: int) -> tuple[int, int, int]:
     """Store a conversation of ``length`` tokens with its snapshot; (id, tokens, snapshot bytes)."""
-    from chatapp.engine.generate import GenerationSettings, run_turn
+    from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
     from chatapp.store.chat import open_chat
@@ -154,9 +154,9 @@ def _resume(model, tok, ident, args, data_dir: Path, cid: int) -> dict:
 
 
 def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
-    from chatapp.prompt.conversation import Conversation, Message
     from chatapp.engine.generate import GenerationSettings, run_turn
     from chatapp.engine.session import Session
+    from chatapp.prompt.conversation import Conversation, Message
     from chatapp.store.db import ChatStore
 
     s = Session(model, tok, mode=args.mode, generation=GenerationSettings(temp=0.0, max_tokens=1))

@@ -13,9 +13,8 @@ import threading
 import traceback
 from typing import Any, Callable
 
-from .session import Session, compare_modes
-
 from .events import CompareResult, Failed, Idle, Loaded, Switched
+from .session import Session, compare_modes
 
 
 class EngineWorker:

@@ -30,15 +30,13 @@ group size. Scales/biases float32 or float16 bits (uint16), as the other kernels
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit
-
 from llvmlite import ir
-from numba import types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
-from .llvm import as_f32, atomic_add
 from .int8dot import q4_rows4_dot_i8, quantise_blocks
+from .llvm import as_f32, atomic_add
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 

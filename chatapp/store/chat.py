@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from chatapp.prompt.conversation import Conversation, Message
 from chatapp.engine.events import TokenEvent, TurnDone
+from chatapp.prompt.conversation import Conversation, Message
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy

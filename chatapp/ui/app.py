@@ -34,13 +34,26 @@ from chatapp.engine.events import CompareResult, Failed, Idle, Loaded, PrefillPr
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import (
-    ChatNotes, ConversationChanged, EngineBridge, EngineEvent, LoadProgress, SessionInfo, StartupFailed,
+    ChatNotes,
+    ConversationChanged,
+    EngineBridge,
+    EngineEvent,
+    LoadProgress,
+    SessionInfo,
+    StartupFailed,
     TranscriptLoaded,
 )
 from .format import MODES, freeze, freeze_cache, freeze_memory, live_cache, next_mode, status_items
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import (
-    AssistantMessage, ChatInput, ChatMessage, ChatView, SidePanel, StatusBar, SystemMessage, UserMessage,
+    AssistantMessage,
+    ChatInput,
+    ChatMessage,
+    ChatView,
+    SidePanel,
+    StatusBar,
+    SystemMessage,
+    UserMessage,
 )
 
 REPLY_COMMANDS = ("send", "regenerate", "edit_last")

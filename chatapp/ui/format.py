@@ -16,8 +16,8 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.config import CACHE_MODES
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
 MODES = list(CACHE_MODES)

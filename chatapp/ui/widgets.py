@@ -22,8 +22,18 @@ from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, f
 from chatapp.textsafe import printable
 
 from .format import (
-    MEMORY_SERIES, ModeRow, StatusItem, fmt_rate, fmt_seconds_ms, fmt_share, hbar, mode_table, pack, render_lines,
-    spark, steps_by_context,
+    MEMORY_SERIES,
+    ModeRow,
+    StatusItem,
+    fmt_rate,
+    fmt_seconds_ms,
+    fmt_share,
+    hbar,
+    mode_table,
+    pack,
+    render_lines,
+    spark,
+    steps_by_context,
 )
 
 EVICTED_TAG = "outside the model's window"
