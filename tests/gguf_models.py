@@ -64,7 +64,8 @@ def metadata(arch: str = "llama", vocab: tuple | None = None, **extra) -> list[t
     meta = [
         ("general.architecture", arch), ("general.name", "tiny-test-llama"),
         (f"{arch}.context_length", 512), (f"{arch}.embedding_length", SHAPE["hidden_size"]),
-        (f"{arch}.block_count", SHAPE["num_hidden_layers"]), (f"{arch}.feed_forward_length", SHAPE["intermediate_size"]),
+        (f"{arch}.block_count", SHAPE["num_hidden_layers"]),
+        (f"{arch}.feed_forward_length", SHAPE["intermediate_size"]),
         (f"{arch}.attention.head_count", SHAPE["num_attention_heads"]),
         (f"{arch}.attention.head_count_kv", SHAPE["num_key_value_heads"]),
         (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), (f"{arch}.rope.freq_base", 10000.0),

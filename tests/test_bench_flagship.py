@@ -57,7 +57,8 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
     out = tmp_path / "flagship.json"
     rc = main(["cpu", "--geometry", "llama2-7b", "--model-dir", str(tmp_path / "m"), "--prompt", "24",
                "--short", "6", "--greedy", "4", "--decode-tokens", "3", "--contexts", "300",
-               "--long-tokens", "2", "--peers", "chatapp,chatapp-unfused,mlx-lm", "--load-rounds", "1", "--json", str(out)])
+               "--long-tokens", "2", "--peers", "chatapp,chatapp-unfused,mlx-lm", "--load-rounds", "1",
+               "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "physical limit:" in text and "greedy tokens equal to mlx-lm's on the first 4" in text

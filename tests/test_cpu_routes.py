@@ -162,7 +162,8 @@ def test_window_quant_decode_reads_the_quantised_history():
                              kv_bits=8, kv_group_size=32)
     gen = GenerationSettings(temp=0.0, max_tokens=16, ignore_eos=True)
     text = "A long prompt, so that most of it is quantised. " * 4
-    ref = Session(model(shape=shape, seed=2), tok, generation=gen, mode="window-quant", cache_settings=settings, raw=True)
+    ref = Session(model(shape=shape, seed=2), tok, generation=gen, mode="window-quant", cache_settings=settings,
+                  raw=True)
     want = _reply_tokens(ref, text)
     fast_model = model(shape=shape, seed=2)
     apply_fast_path(fast_model, backend="cpu", kernel_min_elements=0)
@@ -186,7 +187,8 @@ def test_plan_summary_names_blas_kernels_and_routes():
     plan = apply_fast_path(model(), backend="cpu", kernel_min_elements=0)
     text = "\n".join(plan.details())
     assert "kernels: numba" in text and "prefill gemm: numpy's" in text and "MLX's BLAS:" in text
-    assert "decode attention: kernel" in text and "k_proj x2, o_proj x2, q_proj x2" in text and text.endswith("lm_head: kernel (4-bit, group 64)")
+    assert ("decode attention: kernel" in text and "k_proj x2, o_proj x2, q_proj x2" in text
+            and text.endswith("lm_head: kernel (4-bit, group 64)"))
     assert plan.warm_up_seconds > 0
     assert cpu.KERNEL_MAX_TOKENS == plan.kernel_max_tokens
 
@@ -203,7 +205,8 @@ def test_prefill_computes_the_head_for_the_last_position_only(tied, kernels, mon
     seen = []  # positions the head really computed, whatever its route
     real_kernel, real_mlx = qlinear._kernel_matmul, type(head)._mlx_product
     monkeypatch.setattr(qlinear, "_kernel_matmul",
-                        lambda x, route, d: (seen.append(x.shape[1]) if route is head._route else None) or real_kernel(x, route, d))
+                        lambda x, route, d: (seen.append(x.shape[1]) if route is head._route else None)
+                        or real_kernel(x, route, d))
     monkeypatch.setattr(type(head), "_mlx_product", lambda self, x: seen.append(x.shape[1]) or real_mlx(self, x))
     x = mx.random.randint(0, SHAPE.vocab_size, (1, 30), key=mx.random.key(4))
     with qlinear.last_position_only():

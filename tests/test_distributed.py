@@ -750,7 +750,8 @@ def test_follower_refuses_another_protocol(stories_path, tmp_path, monkeypatch):
         job.start()
     assert stop.value.args == (2,)
     assert err.getvalue().strip() == (
-        f"chatapp[rank 1]: error: stopping: rank 0 speaks protocol {dist_channel.PROTOCOL + 1}, this rank {dist_channel.PROTOCOL}: "
+        f"chatapp[rank 1]: error: stopping: rank 0 speaks protocol {dist_channel.PROTOCOL + 1}, "
+        f"this rank {dist_channel.PROTOCOL}: "
         "run the same chatapp version on every host")
     assert out.getvalue() == ""
 
@@ -807,6 +808,7 @@ def test_empty_prompt_is_refused_on_every_rank(stories_path, tmp_path, monkeypat
     assert job.start() == 2
     assert err.getvalue() == "chatapp: error: the prompt is empty\n"
     job, out, err = _job(stories_path, tmp_path, monkeypatch, rank=1,
-                         channel=_FakeChannel(hello={"protocol": dist_channel.PROTOCOL, "error": "the prompt is empty"}))
+                         channel=_FakeChannel(hello={"protocol": dist_channel.PROTOCOL,
+                                                     "error": "the prompt is empty"}))
     assert job.start() == 2
     assert err.getvalue() == ""

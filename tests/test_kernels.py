@@ -161,7 +161,8 @@ def test_attend_parts_matches_sdpa_over_dequantised(bits, group_size, sinks, mid
     vq = mx.quantize(v[:, :, sinks:sinks + middle], group_size=group_size, bits=bits)
     mx.eval(kq, vq)
     deq = lambda t: mx.dequantize(*t, group_size=group_size, bits=bits)  # noqa: E731
-    parts = [("full", k[:, :, :sinks], v[:, :, :sinks]), ("quant", kq, vq), ("full", k[:, :, sinks + middle:], v[:, :, sinks + middle:])]
+    parts = [("full", k[:, :, :sinks], v[:, :, :sinks]), ("quant", kq, vq),
+             ("full", k[:, :, sinks + middle:], v[:, :, sinks + middle:])]
     if not sinks:
         parts = parts[1:]
     scale = D**-0.5
@@ -181,7 +182,8 @@ def test_heads_view_shares_memory_and_copies_only_scattered_rows():
     assert stride == 40 and np.shares_memory(flat, buf) and flat.shape == (40 + 12,)
     assert flat[stride:stride + 12].reshape(3, 4).tolist() == buf[1, :3].tolist()
     flat, stride = A.heads_view(buf[:, :3, ::2])  # rows not contiguous: copied
-    assert not np.shares_memory(flat, buf) and flat[stride:stride + 6].reshape(3, 2).tolist() == buf[1, :3, ::2].tolist()
+    assert (not np.shares_memory(flat, buf)
+            and flat[stride:stride + 6].reshape(3, 2).tolist() == buf[1, :3, ::2].tolist())
 
 
 def test_pool_map_covers_every_item_once_and_reraises():

@@ -142,8 +142,6 @@ def test_moved_modules_pass_ruff():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="the repo-wide ruff fix lands after the parallel branches are merged; "
-                   "remove this mark then")
 def test_repository_passes_ruff():
     out = subprocess.run([_ruff(), "check", "--output-format", "concise", "."], cwd=REPO,
                          capture_output=True, text=True, timeout=120)

@@ -503,7 +503,8 @@ def test_download_path_with_fake_hub(stories_path, tmp_path, hf_cache, monkeypat
             return SimpleNamespace(sha=HASH)
 
         def list_repo_tree(self, repo_id, **kwargs):
-            return [RepoFile(path=n, size=sizes.get(n, 10), oid="b" * 40) for n in files + ["README.md", ".gitattributes"]]
+            return [RepoFile(path=n, size=sizes.get(n, 10), oid="b" * 40)
+                    for n in files + ["README.md", ".gitattributes"]]
 
     def fake_hf_hub_download(repo_id, filename, *, revision, cache_dir, tqdm_class=None, dry_run=False, **kw):
         target = Path(cache_dir) / ("models--" + repo_id.replace("/", "--")) / "snapshots" / revision / filename

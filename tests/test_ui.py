@@ -397,7 +397,8 @@ async def test_notes_and_config_show_the_prompt_format(tmp_path):
     """A template-less Llama-2-chat repo: the notes say which prompt format and why."""
     from tests.chat_folders import EOS, legacy_chat_folder, script_after, sp_ids
 
-    folder = legacy_chat_folder(tmp_path / "Llama-2-7b-chat-4-bit", script_after(sp_ids("[/INST]")[-1], "Hi there", EOS))
+    folder = legacy_chat_folder(tmp_path / "Llama-2-7b-chat-4-bit",
+                                script_after(sp_ids("[/INST]")[-1], "Hi there", EOS))
     app = make_app(folder, **{"data.dir": str(tmp_path / "data")})
     async with app.run_test(size=(120, 30)) as pilot:
         await ready(pilot)

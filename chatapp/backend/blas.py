@@ -203,7 +203,8 @@ def _preload(setting: str) -> BlasInfo:
         return BlasInfo("none", None, False, "the blas setting is 'off': MLX uses its bundled reference BLAS")
     if _mlx_imported():
         owner = active_blas()
-        extra = f" (a global {SYMBOL} from {owner} is present: MLX uses it only if it was loaded first)" if owner else ""
+        extra = (f" (a global {SYMBOL} from {owner} is present: MLX uses it only if it was loaded first)"
+                 if owner else "")
         return BlasInfo(
             "none", None, False,
             "too late: mlx.core was imported before preload_blas(), so MLX is already bound to its "

@@ -24,17 +24,20 @@ def cpu_backend_lines(cpu) -> list[str]:
         if info.ok:
             side = int(NUMPY_MIN_ELEMENTS**0.5)
             lines.append(
-                f"route: quantised layers (affine, {'/'.join(map(str, BITS))}-bit, group {'/'.join(map(str, GROUP_SIZES))}, "
+                f"route: quantised layers (affine, {'/'.join(map(str, BITS))}-bit, "
+                f"group {'/'.join(map(str, GROUP_SIZES))}, "
                 f"input width a multiple of {K_MULTIPLE}, at least {side}x{side}) -> kernel: packed products up to "
                 f"{cpu.kernel_max_tokens} tokens, dequantise + gemm above; others -> "
-                f"{'float32 copy' if cpu.dense_weights == 'on' else 'MLX'} (each layer's route and reason: --verbose, TUI notes)")
+                f"{'float32 copy' if cpu.dense_weights == 'on' else 'MLX'} "
+                "(each layer's route and reason: --verbose, TUI notes)")
             lines.append(f"prefill gemm: {numpy_blas().describe()}")
             lines.append("decode attention: kernel (float32 and quantised KV read in place)"
                          if cpu.fast_attention else "decode attention: MLX SDPA (cpu.fast_attention = false)")
             from chatapp.backend.fused_decode import FUSED_MODEL_TYPES
 
             lines.append(f"fused decode: one native call per token for {'/'.join(FUSED_MODEL_TYPES)} models with "
-                         "kernel-readable projections and a prealloc cache (every such projection then takes the kernel)"
+                         "kernel-readable projections and a prealloc cache "
+                         "(every such projection then takes the kernel)"
                          if cpu.fused_decode else "fused decode: off (cpu.fused_decode = false)")
             if cpu.fused_decode:
                 from chatapp.backend.fused_decode import numerics_line

@@ -139,7 +139,8 @@ class FusedDecoder:
         self.traditional = bool(rope.traditional)
         # nn.RoPE: theta_i = position * scale * base ** (-2i / dims)
         self.inv_freq = (np.float32(rope.scale) * np.power(
-            np.float32(rope.base), -np.arange(0, rope.dims, 2, dtype=np.float32) / np.float32(rope.dims))).astype(np.float32)
+            np.float32(rope.base),
+            -np.arange(0, rope.dims, 2, dtype=np.float32) / np.float32(rope.dims))).astype(np.float32)
         self.final_norm, self.final_eps = _norm(inner["norm"]), np.float32(inner["norm"].eps)
         embed = inner["embed_tokens"]
         self.embed = embed

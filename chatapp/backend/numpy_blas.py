@@ -35,7 +35,8 @@ class NumpyBlas:
         self._get: Callable | None = None
         self._lib: ctypes.CDLL | None = None
         libs = os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs")
-        for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*")) + glob.glob(os.path.join(libs, "libopenblas*"))):
+        for path in sorted(glob.glob(os.path.join(libs, "libscipy_openblas*"))
+                           + glob.glob(os.path.join(libs, "libopenblas*"))):
             try:
                 lib = ctypes.CDLL(path)  # numpy has it loaded already: the same handle
             except OSError:

@@ -76,7 +76,8 @@ FLAT_WINDOW = 1.3  # window modes at the largest N within this factor of the bud
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=int_list, default=[512, 1024, 2048, 4096], help="history lengths N (default 512,1024,2048,4096)")
+    p.add_argument("--sizes", type=int_list, default=[512, 1024, 2048, 4096],
+                   help="history lengths N (default 512,1024,2048,4096)")
     p.add_argument("--modes", type=mode_list, default=list(cache.MODES), help="cache modes (default: all)")
     p.add_argument("--layers", type=int, default=20, help="layers, one cache each (default 20)")
     p.add_argument("--steps", type=int, default=32, help="timed steps per point (default 32)")
@@ -93,8 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quant-start", type=int, default=512)
     p.add_argument("--bits", type=int, default=8, help="kv_bits (default 8)")
     p.add_argument("--group-size", type=int, default=64, help="kv_group_size (default 64)")
-    p.add_argument("--attn-sizes", type=int_list, default=[1024, 2048, 4096], help="T for the attention table (default 1024,2048,4096)")
-    p.add_argument("--attn-window", type=int, default=256, help="recent window of the attention-table cache (default 256)")
+    p.add_argument("--attn-sizes", type=int_list, default=[1024, 2048, 4096],
+                   help="T for the attention table (default 1024,2048,4096)")
+    p.add_argument("--attn-window", type=int, default=256,
+                   help="recent window of the attention-table cache (default 256)")
     p.add_argument("--attn-layers", type=int, default=1, help="layers per attention step (default 1: one decode query)")
     p.add_argument("--no-attn", action="store_true", help="skip the attention table")
 
@@ -328,7 +331,8 @@ def check_targets(args, results: dict[str, list[float]]) -> list[dict[str, Any]]
         w = max(range(len(ratios)), key=ratios.__getitem__)
         add(f"prealloc within {FLOOR_RATIO}x of the slice_update floor (worst N)", ratios[w], FLOOR_RATIO,
             ratios[w] <= FLOOR_RATIO,
-            f"worst at N={sizes[w]}: {results['prealloc'][w]:.3f} ms / {results['floor'][w]:.3f} ms = {ratios[w]:.2f}x; "
+            f"worst at N={sizes[w]}: {results['prealloc'][w]:.3f} ms / {results['floor'][w]:.3f} ms = "
+            f"{ratios[w]:.2f}x; "
             + ", ".join(f"N={n}: {r:.2f}x" for n, r in zip(sizes, ratios)))
         views = [p / f for p, f in zip(results["prealloc"], results["floor+views"])]
         w = max(range(len(views)), key=views.__getitem__)
@@ -354,7 +358,8 @@ def build_reports(args, results, names, attn_rows, targets) -> tuple[BenchReport
     for m in names:
         rep.add(m, *[round(x, 4) for x in results[m]])
     rep.meta.update(
-        step=f"{args.layers} layers x update_and_fetch([1,{args.kv_heads},1,{args.head_dim}] K and V), then one mx.eval of every cache's .state",
+        step=f"{args.layers} layers x update_and_fetch([1,{args.kv_heads},1,{args.head_dim}] K and V), "
+             "then one mx.eval of every cache's .state",
         shape=f"K/V [1, {args.kv_heads}, N, {args.head_dim}] bfloat16",
         layers=args.layers, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
         settings=f"sinks={args.sinks} window={args.window} evict_chunk={args.evict_chunk} "

@@ -54,18 +54,24 @@ TARGET_LOAD_X = 2.0
 
 def add_flagship_arguments(p) -> None:
     g = p.add_argument_group("--geometry llama2-7b")
-    g.add_argument("--model-dir", default=str(DEFAULT_DIR), help="where the random model is written (default bench-out/)")
+    g.add_argument("--model-dir", default=str(DEFAULT_DIR),
+                   help="where the random model is written (default bench-out/)")
     g.add_argument("--prompt", type=int, default=256, help="prompt tokens (default 256)")
-    g.add_argument("--short", type=int, default=32, help="prompt tokens of the greedy check, mlx-lm's prompt (default 32)")
+    g.add_argument("--short", type=int, default=32,
+                   help="prompt tokens of the greedy check, mlx-lm's prompt (default 32)")
     g.add_argument("--greedy", type=int, default=16, help="greedy tokens compared with mlx-lm (default 16)")
-    g.add_argument("--contexts", default="2048,4096", help="cached tokens for the long-context decode (default 2048,4096)")
+    g.add_argument("--contexts", default="2048,4096",
+                   help="cached tokens for the long-context decode (default 2048,4096)")
     g.add_argument("--modes", default="prealloc,window-quant", help="chatapp cache modes at long context")
     g.add_argument("--long-tokens", type=int, default=8, help="tokens decoded per long-context point (default 8)")
-    g.add_argument("--peers", default="chatapp,mlx-lm,llama.cpp", help="which peers run (default all available; also chatapp-unfused: cpu.fused_decode = false; chatapp-fast: cpu.numerics = fast)")
+    g.add_argument("--peers", default="chatapp,mlx-lm,llama.cpp",
+                   help="which peers run (default all available; also chatapp-unfused: cpu.fused_decode = false; "
+                   "chatapp-fast: cpu.numerics = fast)")
     g.add_argument("--threads", type=int, default=0, help="threads for chatapp's kernels and llama.cpp (0: all cores)")
     g.add_argument("--load-rounds", type=int, default=3, help="interleaved load-only runs per peer (default 3)")
     g.add_argument("--flagship-layers", type=int, default=0,
-                   help="decoder layers (0: the geometry's 32); fewer keep the 7B width at a fraction of the time and disk")
+                   help="decoder layers (0: the geometry's 32); fewer keep the 7B width at a fraction of the time "
+                   "and disk")
 
 
 def _geometry(args):
@@ -95,11 +101,13 @@ def _run_peer(peer: str, spec: dict, log) -> dict:
         out = subprocess.run([sys.executable, "-m", "chatapp.bench.cpu_peer", peer, f.name], capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         if out.returncode != 0:
-            raise RuntimeError(f"{peer} failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
+            raise RuntimeError(f"{peer} failed: "
+                               f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
         rates = "" if spec.get("load_only") else (
             f" (decode {res.get('decode_tok_s', 0):.2f} tok/s, prefill {res.get('prefill_tok_s', 0):.1f} tok/s)")
-        log(f"# {peer}{' (load only)' if spec.get('load_only') else ''}: done in {time.perf_counter() - t:.0f} s{rates}")
+        log(f"# {peer}{' (load only)' if spec.get('load_only') else ''}: "
+            f"done in {time.perf_counter() - t:.0f} s{rates}")
         return res
     finally:
         os.unlink(f.name)
@@ -127,7 +135,8 @@ def run_flagship(args) -> int:
         folder = folder.with_name(f"{folder.name}-{geometry.n_layers}l")
     t = time.perf_counter()
     write_llama2_7b(folder, TOKENIZER, geometry)
-    log(f"# model: {folder} ({weight_file_bytes(folder) / 2**30:.2f} GiB of weights; ready in {time.perf_counter() - t:.0f} s)")
+    log(f"# model: {folder} ({weight_file_bytes(folder) / 2**30:.2f} GiB of weights; "
+        f"ready in {time.perf_counter() - t:.0f} s)")
     import importlib.util
 
     gguf = None
@@ -196,7 +205,8 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
     unfused = best.get("chatapp-unfused")
     for peer, r in best.items():
         same = "-" if ref is None or peer == "mlx-lm" else (
-            "yes" if r["greedy"][: args.greedy] == ref["greedy"][: args.greedy] else _first_diff(r["greedy"], ref["greedy"]))
+            "yes" if r["greedy"][: args.greedy] == ref["greedy"][: args.greedy]
+            else _first_diff(r["greedy"], ref["greedy"]))
         same_unfused = "-" if unfused is None or peer == "chatapp-unfused" else (
             "yes" if r["greedy"] == unfused["greedy"] else _first_diff(r["greedy"], unfused["greedy"]))
         rep.add(peer, r["load_s"], r["peak_rss"] / file_bytes, r["prefill_tok_s"],
@@ -208,7 +218,8 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
     for peer, r in best.items():
         for p in r.get("long", []):
             name = peer if peer != "chatapp" else f"chatapp {p['mode']}"
-            x = p["decode_tok_s"] / ref_long[p["context"]] if p["context"] in ref_long and peer != "mlx-lm" else float("nan")
+            x = (p["decode_tok_s"] / ref_long[p["context"]] if p["context"] in ref_long and peer != "mlx-lm"
+                 else float("nan"))
             long.add(name, p["context"], p["held"], p["decode_tok_s"], x)
     print(rep.table())
     print()
@@ -218,7 +229,8 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
     if c:
         limit = bandwidth / c["weight_bytes_per_token"]
         lines.append(f"physical limit: {c['weight_bytes_per_token'] / 1e9:.2f} GB of weights per token / "
-                     f"{bandwidth / 1e9:.1f} GB/s = {limit:.2f} tokens/s; chatapp reached {c['decode_tok_s'] / limit:.0%} "
+                     f"{bandwidth / 1e9:.1f} GB/s = {limit:.2f} tokens/s; "
+                     f"chatapp reached {c['decode_tok_s'] / limit:.0%} "
                      f"of it at {args.prompt} tokens")
         lines += _targets(args, c, ref, best, file_bytes)
     for line in lines:
@@ -245,9 +257,11 @@ def _targets(args, c: dict, ref: dict | None, best: dict, file_bytes: int) -> li
 
     at = {(p["mode"], p["context"]): p["decode_tok_s"] for p in c.get("long", [])}
     top = max((p["context"] for p in c.get("long", [])), default=None)
-    check(c["decode_tok_s"] >= TARGET_DECODE, f"decode at {args.prompt} tokens {c['decode_tok_s']:.2f} tok/s >= {TARGET_DECODE}")
+    check(c["decode_tok_s"] >= TARGET_DECODE,
+          f"decode at {args.prompt} tokens {c['decode_tok_s']:.2f} tok/s >= {TARGET_DECODE}")
     if top is not None and ("prealloc", top) in at:
-        check(at[("prealloc", top)] >= TARGET_DECODE, f"decode at {top} cached (prealloc) {at[('prealloc', top)]:.2f} tok/s >= {TARGET_DECODE}")
+        check(at[("prealloc", top)] >= TARGET_DECODE,
+              f"decode at {top} cached (prealloc) {at[('prealloc', top)]:.2f} tok/s >= {TARGET_DECODE}")
     if ref:
         x = c["decode_tok_s"] / ref["decode_tok_s"]
         check(x >= TARGET_DECODE_X, f"decode {x:.1f}x mlx-lm >= {TARGET_DECODE_X:.0f}x")
@@ -260,7 +274,8 @@ def _targets(args, c: dict, ref: dict | None, best: dict, file_bytes: int) -> li
         same = c["greedy"][: args.greedy] == ref["greedy"][: args.greedy]
         check(same, f"greedy tokens equal to mlx-lm's on the first {args.greedy}")
         x = c["load_s"] / ref["load_s"]
-        check(x <= TARGET_LOAD_X, f"load {c['load_s']:.1f} s = {x:.2f}x mlx-lm's read of the same folder <= {TARGET_LOAD_X}x")
+        check(x <= TARGET_LOAD_X,
+              f"load {c['load_s']:.1f} s = {x:.2f}x mlx-lm's read of the same folder <= {TARGET_LOAD_X}x")
     x = c["peak_rss"] / file_bytes
     check(x <= TARGET_RSS_X, f"peak RSS {c['peak_rss'] / 2**30:.2f} GiB = {x:.2f}x the weight files <= {TARGET_RSS_X}x")
     return out

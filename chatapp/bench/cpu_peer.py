@@ -204,8 +204,8 @@ def run_chatapp_fast(spec: dict) -> dict:
     return run_chatapp(spec, numerics="fast")
 
 
-PEERS = {"chatapp": run_chatapp, "chatapp-unfused": run_chatapp_unfused, "chatapp-fast": run_chatapp_fast, "mlx-lm": run_mlx_lm,
-         "llama.cpp": run_llama_cpp}
+PEERS = {"chatapp": run_chatapp, "chatapp-unfused": run_chatapp_unfused, "chatapp-fast": run_chatapp_fast,
+         "mlx-lm": run_mlx_lm, "llama.cpp": run_llama_cpp}
 
 
 def main(argv: list[str]) -> int:

@@ -35,8 +35,8 @@ Memory. After the timed repeats, one more run per context and peer measures the 
 ``peak MiB`` is the highest active memory during the run above what was held before it (the run
 fills a new cache with the synthetic K/V, so the cache's own copy of it is included); ``active
 B/tok`` and ``cache B/tok`` are how much active memory and MLX's buffer cache grew per decoded
-token (the median over the run's tokens, each read once its step has finished). For that run the cache limit is raised to the memory
-limit, so no freed buffer goes back to the system and the cache growth counts every buffer the
+token (the median over the run's tokens, each read once its step has finished). For that run the cache limit is raised
+to the memory limit, so no freed buffer goes back to the system and the cache growth counts every buffer the
 allocator could not reuse: active + cache growth is the bytes newly allocated per decoded token.
 A cache that concatenates (``concat``) frees its whole K/V and allocates a larger one every step,
 so its cache grows by about the whole history each token; a preallocated one writes in place.
@@ -423,14 +423,16 @@ def check_targets(args, results: list[dict[str, Any]], gauge_us: float) -> list[
             contrast = ""
             if "prealloc" in pts:
                 pre = pts["prealloc"]
-                contrast = (f"; prealloc for contrast: "
-                            f"{statistics.median(a / b for a, b in zip(pre[max(past)]['run_tps'], pre[ref]['run_tps'])):.2f}"
-                            f" at {max(past)}")
+                contrast = (
+                    f"; prealloc for contrast: "
+                    f"{statistics.median(a / b for a, b in zip(pre[max(past)]['run_tps'], pre[ref]['run_tps'])):.2f}"
+                    f" at {max(past)}")
             out.append(dict(
                 model=r["name"], target=f"{mode} flat past its budget ({budget} tokens): tok/s >= "
                                         f"{FLAT_RATIO} x its tok/s at context {ref}",
                 value=round(ratios[worst], 3), passed=ratios[worst] >= FLAT_RATIO,
-                detail=f"worst at context {worst}: paired ratio {ratios[worst]:.2f} (medians {pts[mode][worst]['tps']:.2f} "
+                detail=f"worst at context {worst}: paired ratio {ratios[worst]:.2f} "
+                       f"(medians {pts[mode][worst]['tps']:.2f} "
                        f"vs {pts[mode][ref]['tps']:.2f} tok/s; holds {pts[mode][worst]['held']} tokens)" + contrast))
     return out
 
@@ -472,7 +474,8 @@ def run(args) -> int:
                "mlx-lm run tok/s, same repeat and context); the targets use paired ratios",
         held="tokens the chatapp cache holds after the fill (window modes evict down to their budget)",
         memory="one extra run per context and peer, cache limit raised to the memory limit: peak MiB = peak active "
-               "memory above what was held before the run (the cache's copy of the fill included); active / cache B/tok = growth of active memory and of "
+               "memory above what was held before the run (the cache's copy of the fill included); "
+               "active / cache B/tok = growth of active memory and of "
                "MLX's buffer cache per decoded token (their sum: bytes newly allocated per token)",
         settings=f"window={args.window} sinks={args.sinks} max_kv_tokens={args.max_kv_tokens} "
                  f"evict_chunk={args.evict_chunk} quant_start={args.quant_start} kv_bits={args.kv_bits} "
@@ -487,7 +490,8 @@ def run(args) -> int:
     from chatapp.engine.session import LIVE_VIEW_EVERY
 
     rep.meta["gauge_read_us"] = round(gauge_us, 2)
-    rep.meta["gauge_reads"] = f"one every {LIVE_VIEW_EVERY} decoded tokens: {gauge_us / LIVE_VIEW_EVERY:.2f} us per token"
+    rep.meta["gauge_reads"] = (f"one every {LIVE_VIEW_EVERY} decoded tokens: "
+                               f"{gauge_us / LIVE_VIEW_EVERY:.2f} us per token")
     rep.meta["results"] = [{k: v for k, v in r.items()} for r in results]
     rep.meta["targets"] = targets
 

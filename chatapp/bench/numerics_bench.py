@@ -29,8 +29,10 @@ _NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=str(DEFAULT_MODEL), help="a Llama GGUF with 4-bit weights (default SmolLM2-135M Q4_1)")
-    p.add_argument("--text", default=str(DEFAULT_TEXT), help="text for the perplexity (default ../shared/docs/architecture.md)")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="a Llama GGUF with 4-bit weights (default SmolLM2-135M Q4_1)")
+    p.add_argument("--text", default=str(DEFAULT_TEXT),
+                   help="text for the perplexity (default ../shared/docs/architecture.md)")
     p.add_argument("--tokens", type=int, default=512, help="text tokens teacher-forced per route (default 512)")
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per speed run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="speed runs per route, alternating (default 3)")
@@ -72,7 +74,8 @@ def load_gguf_llama(path: str):
         return w[key].shape[1] * 32 // width
 
     ebits = bits("token_embd.weight", args.hidden_size)
-    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda p, m: p != "model.embed_tokens" and hasattr(m, "to_quantized"))
+    nn.quantize(model, group_size=32, bits=4,
+                class_predicate=lambda p, m: p != "model.embed_tokens" and hasattr(m, "to_quantized"))
     nn.quantize(model, group_size=32, bits=ebits, class_predicate=lambda p, m: p == "model.embed_tokens")
     out = {}
     for k, v in w.items():

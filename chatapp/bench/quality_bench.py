@@ -115,7 +115,8 @@ def _clean_story(text: str) -> str:
     return " ".join(out).strip()
 
 
-def generate_stories(n_tokens: int, model_path: str | Path = SHARED / "stories260K", max_story: int = 400) -> tuple[str, str]:
+def generate_stories(n_tokens: int, model_path: str | Path = SHARED / "stories260K",
+                     max_story: int = 400) -> tuple[str, str]:
     """Greedy stories260K continuations of fixed openings, joined until ``n_tokens`` tokens."""
     from mlx_lm import generate
 
@@ -337,10 +338,12 @@ def run(args) -> int:
     if llama_cpp is not None:
         rep.add("llama.cpp", n, n, round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
                 f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a")
-        rep.meta["llama.cpp"] = f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, {llama_cpp['seconds']:.1f} s"
+        rep.meta["llama.cpp"] = (f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, "
+                                 f"{llama_cpp['seconds']:.1f} s")
     rep.meta.update(
         model=desc, text=source, tokens=n, split=split, prefill=args.prefill,
-        method="teacher forcing through model(token, cache=make_caches(mode)); ppl = exp(-mean log p(next true token)); "
+        method="teacher forcing through model(token, cache=make_caches(mode)); "
+               "ppl = exp(-mean log p(next true token)); "
                "KL = mean over positions after the split of KL(prealloc || mode) next-token distributions",
         device=str(mx.default_device()), mlx=mx.__version__,
     )

@@ -98,7 +98,8 @@ def line_plot(
     plt.close(fig)
 
 
-def emit(report: BenchReport, json_path: str | None, plot: callable | None = None, plot_path: str | None = None) -> None:
+def emit(report: BenchReport, json_path: str | None, plot: callable | None = None,
+         plot_path: str | None = None) -> None:
     """Print the table, then write JSON and the plot when asked."""
     print(f"## {report.name}")
     for k, v in report.meta.items():

@@ -27,8 +27,9 @@ random-weight 4-bit Llama (hidden 1024, 4 layers, 8 heads of 128, intermediate 2
 tokenizer, vocab 258, output rows of the non-ASCII bytes zeroed so that it writes ASCII) where the
 prefill cost is visible. By default the model gets the app's
 CPU fast path (``chatapp.backend.cpu.apply_fast_path``: ``accelerate_model`` with
-``dense_weights=auto`` and the numpy prefill attention kernel), as the ``[cpu]`` config does; without it, 4-bit prefill runs through ``quantized_matmul`` at ~15
-tokens/s on this CPU for the random model, and a 20-turn stateless run would take an hour.
+``dense_weights=auto`` and the numpy prefill attention kernel), as the ``[cpu]`` config does; without it, 4-bit
+prefill runs through ``quantized_matmul`` at ~15 tokens/s on this CPU for the random model, and a 20-turn stateless
+run would take an hour.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def load(args) -> tuple[Any, Any, str]:
     from chatapp.model.loader import load_model
 
     lm = load_model(args.model)
-    return lm.model, lm.tokenizer, f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype}"
+    return lm.model, lm.tokenizer, (f"{lm.model_id}: {lm.n_layers} layers, "
+                                    f"{lm.n_kv_heads} KV heads of {lm.head_dim}, {lm.dtype}")
 
 
 def fast_path(model, args) -> str:
@@ -224,7 +226,8 @@ def run(args) -> int:
         model=desc, fast_path=fp, mode=args.mode, max_tokens=args.max_tokens, repeats=args.repeats,
         pause_s=args.pause,
         method="reuse = one Session for all turns; stateless = a fresh Session per turn given the conversation "
-               "so far (same prompt tokens), cancelled after its first token; TTFT = TurnStats.ttft; medians over repeats; "
+               "so far (same prompt tokens), cancelled after its first token; TTFT = TurnStats.ttft; "
+               "medians over repeats; "
                "each measured turn starts after --pause seconds",
         replies_identical_across_repeats=consistent, same_prompt_tokens=same_prompts,
         first_token_agreement=f"{agree}/{args.turns} turns (reuse vs stateless, first repeat)",
@@ -237,7 +240,8 @@ def run(args) -> int:
 
     def plot(path):
         turns = list(range(1, args.turns + 1))
-        line_plot(path, f"TTFT per turn ({'random 1024x4 4-bit' if args.random else Path(args.model).name}, {args.mode})",
+        line_plot(path,
+                  f"TTFT per turn ({'random 1024x4 4-bit' if args.random else Path(args.model).name}, {args.mode})",
                   "turn", "TTFT ms (log)",
                   {"reuse (one session)": (turns, [m[0] for m in med]),
                    "stateless (re-prefill)": (turns, [m[1] for m in med])}, logy=True)

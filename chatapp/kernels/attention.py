@@ -193,7 +193,8 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
                 _scores_full(q[h], _rows(k_head, kh, full_strides[0], n_head, D), scale, s[:n_head])
             if n_quant:
                 _scores_quant(qq[h], qqsum[h], _rows(kq, kh, quant_strides[0], n_quant, P),
-                              _rows(ks, kh, quant_strides[1], n_quant, ng), _rows(kb, kh, quant_strides[2], n_quant, ng),
+                              _rows(ks, kh, quant_strides[1], n_quant, ng),
+                              _rows(kb, kh, quant_strides[2], n_quant, ng),
                               bits, group_size, scale, s[n_head:n_head + n_quant])
             if n_tail:
                 _scores_full(q[h], _rows(k_tail, kh, full_strides[2], n_tail, D), scale, s[n_head + n_quant:])
@@ -201,7 +202,8 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
             o[:] = 0.0
             if n_quant:
                 _accumulate_quant(s[n_head:n_head + n_quant], _rows(vq, kh, quant_strides[3], n_quant, P),
-                                  _rows(vs, kh, quant_strides[4], n_quant, ng), _rows(vb, kh, quant_strides[5], n_quant, ng),
+                                  _rows(vs, kh, quant_strides[4], n_quant, ng),
+                                  _rows(vb, kh, quant_strides[5], n_quant, ng),
                                   bits, group_size, o)
                 if bits == 4:  # the quantised part's output is [evens | odds]: interleave it back
                     half = D // 2

@@ -215,7 +215,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                                           (nq + nk, nqkv, wv, bits[2], v_new, nq + nk)):
             s0, s1 = max(a, lo_), min(b, hi_)
             if s0 < s1:
-                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off], False, fast, xq)
+                _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
+                         False, fast, xq)
         _done(ctl, 0)
     _barrier(ctl, 0, n1)
 
@@ -325,7 +326,8 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
         v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
-                   group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer], v_cache, kv_stride[layer],
+                   group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
+                   v_cache, kv_stride[layer],
                    n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast)
 
 

@@ -35,7 +35,8 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
     half_scales = scales.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        wa, ea, oa, sa, outa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4, 6))
+        wa, ea, oa, sa, outa = (context.make_array(signature.args[i])(context, builder, args[i])
+                                for i in (0, 2, 3, 4, 6))
         r0v, gs = args[1], args[5]
         row_bytes = builder.extract_value(wa.shape, 1)
         n_groups = builder.extract_value(sa.shape, 1)

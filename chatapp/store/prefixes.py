@@ -536,5 +536,6 @@ class PrefixStore:
 
 __all__ = [
     "BLOCK", "BlockInfo", "FORMAT", "MIN_REUSE", "Namespace", "PrefixError", "PrefixStore", "PrefixWriteError",
-    "StoreSource", "StoredPrefix", "VERSION", "block_info", "chain_hash", "namespace_for", "read_header", "stored_prefixes",
+    "StoreSource", "StoredPrefix", "VERSION", "block_info", "chain_hash", "namespace_for", "read_header",
+    "stored_prefixes",
 ]
