@@ -168,7 +168,8 @@ def test_session_reply_through_the_fused_step_equals_mlx_lm(monkeypatch):
     mlx_lm.stream_generate on the same weights without any of it."""
     from mlx_lm import stream_generate
 
-    from chatapp.engine.generate import GenerationSettings, TokenEvent
+    from chatapp.engine.events import TokenEvent
+    from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.session import Session
     from chatapp.model.synthetic import byte_tokenizer
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from chatapp.bench.common import fast_path
 from chatapp.bench.report import BenchReport, emit, line_plot, mode_list
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
@@ -93,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=budget_list, default=[],
                    help="comma list of token budgets B: adds rows window@B (sinks + window = B) and scored@B "
                         "(max_kv_tokens = B, recent window min(--window, B/4)), to compare at equal KV bytes")
+    p.add_argument("--fast-path", action="store_true",
+                   help="score through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
     p.add_argument("--seed", type=int, default=0)
 
@@ -153,9 +156,13 @@ def load(args) -> tuple[Any, Any, str]:
                                          "byte tokenizer (vocab 258), max positions 4096")
     from chatapp.model.loader import load_model
 
-    lm = load_model(args.model)
-    return lm.model, lm.tokenizer, (f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, "
-                                    f"{lm.dtype}, trained context {lm.max_position_embeddings}")
+    # --fast-path: load and route as the app does (float16 scales kept for the CPU kernels)
+    lm = load_model(args.model, cast_scales=not args.fast_path)
+    desc = (f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, "
+            f"{lm.dtype}, trained context {lm.max_position_embeddings}")
+    if args.fast_path:
+        desc += f"; CPU fast path: {fast_path(lm.model, off=False)}"
+    return lm.model, lm.tokenizer, desc
 
 
 def row_specs(args) -> list[tuple[str, str, dict]]:
@@ -336,7 +343,7 @@ def run(args) -> int:
                 f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a")
 
     if llama_cpp is not None:
-        rep.add("llama.cpp", n, n, round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
+        rep.add("llama.cpp", n, n, "n/a", round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
                 f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a")
         rep.meta["llama.cpp"] = (f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, "
                                  f"{llama_cpp['seconds']:.1f} s")
