@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from .params import activation_dtype
 from .qlinear import (
     NUMPY_MIN_ELEMENTS,
     ROUTES,
@@ -202,7 +203,7 @@ def accelerate_model(
     plan.blas_loaded, plan.blas = blas.loaded, blas.path
     plan.budget_bytes = dense_budget_bytes if dense_budget_bytes is not None else physical_memory_bytes() // 4
 
-    act = _activation_dtype(model)
+    act = activation_dtype(model)
     if act is not None:
         plan.cast_lookups = _cast_lookups(model, act)
     # probed whatever the model holds: the decode attention kernels need it too
@@ -325,18 +326,6 @@ def _kernels_available(kernels: str, threads: int, plan: CpuPlan) -> tuple[bool,
     plan.gemm = numpy_blas().describe()
     plan.kernels_ok = True
     return True, None
-
-
-def _activation_dtype(model: nn.Module):
-    """The dtype most float parameters are in, leaving out those a CPU load keeps as stored."""
-    from .params import kept_for_cpu_kernels
-
-    kept = kept_for_cpu_kernels(model)
-    totals: dict = {}
-    for path, p in _flat_params(model):
-        if mx.issubdtype(p.dtype, mx.floating) and not kept(path):
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
-    return max(totals.items(), key=lambda kv: kv[1])[0] if totals else None
 
 
 def _match_scales_to_activations(layers: dict[str, nn.Module], kernel_layers: list[str], act) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Callable
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 
 def is_quant_param(path: str) -> bool:
@@ -31,3 +33,15 @@ def kept_for_cpu_kernels(model: nn.Module) -> Callable[[str], bool]:
     as they are read; `chatapp.backend.cpu.accelerate_model` installs that)."""
     tables = lookup_only_embeddings(model)
     return lambda path: is_quant_param(path) or path in tables
+
+
+def activation_dtype(model: nn.Module) -> mx.Dtype | None:
+    """The float dtype the model computes (and keeps its K/V) in: that of most float parameters,
+    leaving out those a CPU load keeps as stored (float16 scales/biases the kernels read, lookup-only
+    tables); None when no other float parameter exists."""
+    kept = kept_for_cpu_kernels(model)
+    totals: dict[mx.Dtype, int] = {}
+    for path, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating) and not kept(path):
+            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
+    return max(totals.items(), key=lambda kv: kv[1])[0] if totals else None

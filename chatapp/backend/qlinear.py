@@ -184,12 +184,8 @@ class _Routed:
                 last = self._mlx_product(x[:, -1:, :])
             rest = mx.zeros((x.shape[0], x.shape[1] - 1, last.shape[-1]), last.dtype)
             return mx.concatenate([rest, last], axis=1)
-        if route.kind == "kernel":
-            return _kernel_matmul(x, route, out_dtype)
-        if route.kind == "dense":
-            if route.dense_np is not None and _tokens(x) == 1:
-                return _numpy_matvec(x, route.dense_np, out_dtype)
-            return _dense_matmul(x, route.dense, out_dtype)
+        if route.kind in ("kernel", "dense"):
+            return matmul(route, x, out_dtype)
         if _tokens(x) > route.threshold:
             return _dense_matmul(x, self._dequantized(), out_dtype)
         return None

@@ -23,6 +23,7 @@ import mlx.core as mx
 from cache import CacheConfigError, make_caches
 from cache.factory import restore_caches
 from chatapp.backend.qlinear import last_position_only
+from chatapp.prompt.conversation import common_prefix
 
 from .stats import TurnStats
 
@@ -41,16 +42,6 @@ class PrefixHit:
 class PrefixSource(Protocol):
     def lookup(self, tokens: list[int]) -> PrefixHit | None:
         """The K/V of the longest stored prefix of ``tokens`` (None when nothing useful is stored)."""
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def prealloc_settings(session: "Session"):

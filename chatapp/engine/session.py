@@ -25,13 +25,13 @@ from cache import (
     total_usage,
 )
 from chatapp.backend.qlinear import last_position_only
-from chatapp.prompt.conversation import Conversation
+from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
 from .events import CompareRow, PrefillProgress, SwitchReport, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher
 from .memory import memory_total, read_gauges
-from .prefix import PrefixSource, common_prefix, warm_start
+from .prefix import PrefixSource, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
 AUTO = "auto"

@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
-from chatapp.backend.params import kept_for_cpu_kernels
+from chatapp.backend.params import activation_dtype
 
 DTYPES: dict[str, mx.Dtype] = {
     "float32": mx.float32,
@@ -102,18 +102,9 @@ def checkpoint_float_dtype(model: nn.Module) -> mx.Dtype:
 
 
 def activation_float_dtype(model: nn.Module) -> mx.Dtype:
-    """The float dtype the model computes (and so keeps its K/V) in: that of most float
-    parameters, leaving out those a CPU load keeps as stored (quantised layers' float16
-    scales/biases, lookup-only tables), which the kernels read as they are while activations
-    stay in the other dtype."""
-    kept = kept_for_cpu_kernels(model)
-    totals: dict[mx.Dtype, int] = {}
-    for path, p in tree_flatten(model.parameters()):
-        if is_floating(p.dtype) and not kept(path):
-            totals[p.dtype] = totals.get(p.dtype, 0) + p.nbytes
-    if not totals:
-        return checkpoint_float_dtype(model)
-    return max(totals.items(), key=lambda kv: kv[1])[0]
+    """The float dtype the model computes (and so keeps its K/V) in (see ``backend.params.activation_dtype``),
+    the checkpoint's float dtype when every float parameter is one a CPU load keeps as stored."""
+    return activation_dtype(model) or checkpoint_float_dtype(model)
 
 
 def cast_floating(model: nn.Module, dtype: mx.Dtype, skip: Callable[[str], bool] | None = None) -> nn.Module:

@@ -9,7 +9,7 @@ token's leading space), so that formats render it exactly as the cache holds it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 Role = Literal["system", "user", "assistant"]
 
@@ -50,3 +50,13 @@ class Conversation:
 
     def copy(self) -> "Conversation":
         return Conversation([Message(m.role, m.content, m.interrupted, m.raw) for m in self.messages])
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items (token ids, messages) ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

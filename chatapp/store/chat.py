@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from chatapp.engine.events import TokenEvent, TurnDone
-from chatapp.prompt.conversation import Conversation, Message
+from chatapp.prompt.conversation import Conversation, Message, common_prefix
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy
@@ -334,9 +334,7 @@ class PersistentChat:
         if self.conversation_id is None:
             if not any(role == "user" for role, _, _ in msgs) or not self._ensure_conversation():
                 return
-        k = 0
-        while k < min(len(msgs), len(self._mirror)) and msgs[k] == self._mirror[k]:
-            k += 1
+        k = common_prefix(msgs, self._mirror)
         if from_seq is not None:
             k = min(k, from_seq)
         elif k == len(msgs) == len(self._mirror):

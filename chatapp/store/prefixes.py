@@ -44,6 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from chatapp.prompt.conversation import common_prefix
+
 FORMAT = "chatapp-kv-prefix"
 VERSION = "1"
 BLOCK = 256  # tokens per block: large enough that a 2,000-token prompt is a handful of files
@@ -235,15 +237,6 @@ def stored_prefixes(infos: list[BlockInfo]) -> list[StoredPrefix]:
     return sorted(out, key=lambda p: -p.last_used)
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class PrefixStore:
     """The blocks in one directory; see the module docstring.
 
@@ -284,7 +277,7 @@ class PrefixStore:
             except (PrefixError, OSError) as e:
                 notes.append(self._drop(path, str(e)))
                 continue
-            n = _common(info.tokens, rest)
+            n = common_prefix(info.tokens, rest)
             if n and (best is None or n > best.use):
                 best = _Segment(path, pos, parent, info.hash, n)
         return best
