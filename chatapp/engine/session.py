@@ -28,7 +28,7 @@ from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
-from .events import CompareRow, PrefillProgress, SwitchReport, TokenEvent, TurnDone
+from .events import CompareRow, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher
 from .memory import memory_total, read_gauges
 from .prefix import PrefixSource, warm_start
@@ -52,8 +52,16 @@ class Session:
         system: str = "",
         raw: bool = False,
         prompt_format: PromptFormat | None = None,
+        format_choice=None,
+        model_id: str = "",
+        cancel: threading.Event | None = None,
+        notices: list[str] | None = None,
     ):
+        """``format_choice`` (prompt.choice.FormatChoice) says which format and why; ``cancel`` is
+        the event that stops a running reply (a copy of the session may share its owner's);
+        ``notices`` are load-time lines for the user (a GGUF's conversions, the CPU plan)."""
         self.model = model
+        self.model_id = model_id
         self.tokenizer = tokenizer
         self.geometry = model_geometry(model)
         self.base_settings = cache_settings or CacheSettings()
@@ -62,13 +70,14 @@ class Session:
         self.generation = generation or GenerationSettings()
         # The prompt format (prompt.formats); None: the tokenizer's template, else plain (raw: --raw).
         self.format = prompt_format or PromptFormat.for_tokenizer(tokenizer, raw=raw)
-        self.format_choice = None  # prompt.choice.FormatChoice: which format and why, when chosen
+        self.format_choice = format_choice  # prompt.choice.FormatChoice: which format and why, when chosen
         self.conversation = Conversation.start(system)
         self.notices: list[str] = []
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
-        self._cancel = threading.Event()
+        self._cancel = cancel if cancel is not None else threading.Event()
         self._first_visible = 0
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
+        self.notices.extend(notices or [])  # after the settings' own notes, as they came before
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
         # True while the caches hold every token as a full-precision prefill from empty would
@@ -438,6 +447,26 @@ class Session:
         return report
 
     # ---- what the UI shows ------------------------------------------------------------------
+    def load_lines(self) -> list[str]:
+        """What to tell the user once loaded: the prompt format chosen and the load-time notices."""
+        return ([self.format_choice.line()] if self.format_choice is not None else []) + list(self.notices)
+
+    def describe(self) -> SessionInfo:
+        """A plain description of the session (its mode, settings, cache and memory) for a front end."""
+        def fields(s: CacheSettings) -> dict[str, int]:
+            return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
+                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens}
+
+        cache = self.cache_view()
+        messages = self.conversation.messages
+        return SessionInfo(
+            model_id=self.model_id, mode=self.mode, requested_mode=self.requested_mode, cache=cache,
+            settings=fields(self.base_settings), effective=fields(self.settings),
+            has_system=bool(messages and messages[0].role == "system"), messages=len(messages),
+            fmt=self.format_choice.describe() if self.format_choice is not None else self.format.name,
+            memory=read_gauges(kv_held=cache.bytes_held, tokens=len(self.cached)),
+        )
+
     def cache_view(self, scan_messages: bool = True) -> CacheView:
         """Cache usage for display. ``scan_messages`` also works out which messages the model
         no longer sees (it re-tokenises the conversation, so streaming skips it)."""

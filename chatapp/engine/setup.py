@@ -98,24 +98,28 @@ def prompt_format_for(config, loaded: LoadedModel) -> tuple[PromptFormat, Format
         raise SetupError(f"cannot use {choice.line()}: {e}") from None
 
 
+def load_notices(loaded: LoadedModel) -> list[str]:
+    """The load-time lines for the user: a GGUF's file, types and conversions, the CPU plan, memory."""
+    notes = list(getattr(loaded, "notes", []))
+    plan = getattr(loaded, "cpu_plan", None)
+    if plan is not None and plan.applied:
+        notes.append(f"CPU fast path: {plan.headline()}")
+        notes.append(f"CPU routes: {'; '.join(plan.route_lines())}")
+    if plan is not None:
+        notes.extend(plan.warnings)
+    notes.extend(getattr(loaded, "memory_notes", []))
+    return notes
+
+
 def session_from_config(config, loaded: LoadedModel) -> Session:
     fmt, choice = prompt_format_for(config, loaded)
     try:
         session = Session(
             loaded.model, loaded.tokenizer, cache_settings=cache_settings_from(config), mode=config.cache.mode,
             long_after=config.cache.long_after, generation=generation_from(config),
-            system=config.chat.system, prompt_format=fmt,
+            system=config.chat.system, prompt_format=fmt, format_choice=choice, model_id=loaded.model_id,
+            notices=load_notices(loaded),
         )
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None
-    session.format_choice = choice
-    session.model_id = loaded.model_id
-    session.notices.extend(getattr(loaded, "notes", []))  # a GGUF's file, types and conversions
-    plan = getattr(loaded, "cpu_plan", None)
-    if plan is not None and plan.applied:
-        session.notices.append(f"CPU fast path: {plan.headline()}")
-        session.notices.append(f"CPU routes: {'; '.join(plan.route_lines())}")
-    if plan is not None:
-        session.notices.extend(plan.warnings)
-    session.notices.extend(getattr(loaded, "memory_notes", []))
     return session

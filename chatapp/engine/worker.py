@@ -1,8 +1,9 @@
 """The engine thread: owns the model, the session and all MLX work; talks by events.
 
 MLX streams belong to threads (mlx-lm issue 1181 shows a crash on GPU backends otherwise), so
-loading, prefill, decode and cache conversion all run on this one thread. Callers submit
-commands; results come back through ``on_event`` (the TUI turns them into Textual messages).
+loading, prefill, decode and cache conversion all run on this one thread. Callers submit typed
+requests (:mod:`chatapp.engine.requests`); results come back through ``on_event`` as the
+dataclasses of :mod:`chatapp.engine.events` (the TUI turns them into Textual messages).
 ``cancel()`` is safe to call from any thread.
 """
 
@@ -14,6 +15,7 @@ import traceback
 from typing import Any, Callable
 
 from .events import CompareResult, Failed, Idle, Loaded, Switched
+from .requests import Compare, Describe, EditLast, NewChat, Quit, Regenerate, Request, Send, SwitchMode
 from .session import Session, compare_modes
 
 
@@ -23,16 +25,15 @@ class EngineWorker:
         returns a Session; it runs on the worker thread."""
         self._make_session = make_session
         self._emit = on_event
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[Request] = queue.Queue()
         self.session: Session | None = None
         self._thread = threading.Thread(target=self._run, name="chatapp-engine", daemon=True)
-        self.busy = threading.Event()
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, command: str, *args: Any) -> None:
-        self._queue.put((command, args))
+    def submit(self, request: Request) -> None:
+        self._queue.put(request)
 
     def cancel(self) -> None:
         if self.session is not None:
@@ -40,7 +41,7 @@ class EngineWorker:
 
     def stop(self) -> None:
         self.cancel()
-        self._queue.put(("quit", ()))
+        self._queue.put(Quit())
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -52,41 +53,40 @@ class EngineWorker:
         except Exception as e:  # noqa: BLE001 - reported to the user as one line
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
             return
-        s = self.session
-        choice = getattr(s, "format_choice", None)
-        notes = ([choice.line()] if choice is not None else []) + list(s.notices)
-        self._emit(Loaded(getattr(s, "model_id", ""), notes))
+        self._emit(Loaded(self.session.model_id, self.session.load_lines()))
         while True:
-            command, args = self._queue.get()
-            if command == "quit":
+            request = self._queue.get()
+            if isinstance(request, Quit):
                 return
-            self.busy.set()
             try:
-                self._dispatch(command, args)
+                self._dispatch(request)
             except Exception as e:  # noqa: BLE001
-                self._emit(Failed(f"{command} failed: {e}", traceback.format_exc()))
+                self._emit(Failed(f"{request.kind} failed: {e}", traceback.format_exc()))
             finally:
-                self.busy.clear()
                 self._emit(Idle())
 
-    def _dispatch(self, command: str, args: tuple) -> None:
+    def _dispatch(self, request: Request) -> None:
         s = self.session
-        if command in ("send", "regenerate", "edit_last", "reply"):
-            events = getattr(s, command)(*args)
-            for ev in events:
-                self._emit(ev)
-        elif command == "switch_mode":
-            mode, changes = args
-            self._emit(Switched(s.switch_mode(mode, **changes)))
-        elif command == "compare":
-            modes, max_tokens = args
-            # One row per mode, sent as each finishes; a cancel ends the comparison early.
-            for n, row in enumerate(compare_modes(s, modes, max_tokens=max_tokens)):
-                self._emit(CompareResult(row, done=n == len(modes) - 1))
-        elif command == "new_chat":
-            s.new_chat()
-        elif command == "call":  # run an arbitrary function on the engine thread (tests, tools)
-            fn, = args
-            fn(s)
-        else:
-            raise ValueError(f"unknown command {command!r}")
+        match request:
+            case Send(text):
+                self._stream(s.send(text))
+            case Regenerate():
+                self._stream(s.regenerate())
+            case EditLast(text):
+                self._stream(s.edit_last(text))
+            case SwitchMode(mode, changes):
+                self._emit(Switched(s.switch_mode(mode, **changes)))
+            case Compare(modes, max_tokens):
+                # One row per mode, sent as each finishes; a cancel ends the comparison early.
+                for n, row in enumerate(compare_modes(s, list(modes), max_tokens=max_tokens)):
+                    self._emit(CompareResult(row, done=n == len(modes) - 1))
+            case NewChat():
+                s.new_chat()
+            case Describe():
+                self._emit(s.describe())
+            case _:
+                raise ValueError(f"the engine does not handle {request.kind!r} requests")
+
+    def _stream(self, events) -> None:
+        for ev in events:
+            self._emit(ev)

@@ -1,10 +1,11 @@
 """The Textual chat app: streaming replies, live speed and cache gauges, cache modes.
 
 Threading: every model operation runs on the engine worker's thread
-(:class:`chatapp.engine.worker.EngineWorker`, owned by :class:`chatapp.ui.bridge.EngineBridge`).
-Its events arrive here as :class:`~chatapp.ui.bridge.EngineEvent` messages, in order, on the
-UI thread. The UI keeps a mirror of the session's conversation (``entries``) so that message
-indexes reported by the engine (``CacheView.first_visible_message``) map to transcript widgets.
+(:class:`chatapp.engine.worker.EngineWorker`, owned by :class:`chatapp.ui.bridge.EngineBridge`),
+which takes the typed requests of :mod:`chatapp.engine.requests`. Its events arrive here, in
+order, on the UI thread, one Textual message per kind (:mod:`chatapp.ui.messages`), handled by
+the base class :class:`~chatapp.ui.engine_link.EngineLinkApp` (with the transcript mirror and
+the status bar); this module adds the layout, the input, the actions and the command palette.
 
 While a reply streams, messages are queued: Enter shows the message marked "queued" and it is
 sent when the engine is free; Esc stops the reply and puts queued messages back into the input
@@ -18,60 +19,29 @@ the saved conversations and opens (resumes), renames or deletes them.
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Iterable
 
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from chatapp.engine.events import CompareResult, Failed, Idle, Loaded, PrefillProgress, Switched, TokenEvent, TurnDone
+from chatapp.engine.events import SessionInfo
+from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
-from .bridge import (
-    ChatNotes,
-    ConversationChanged,
-    EngineBridge,
-    EngineEvent,
-    LoadProgress,
-    SessionInfo,
-    StartupFailed,
-    TranscriptLoaded,
-)
-from .format import MODES, freeze, freeze_cache, freeze_memory, live_cache, next_mode, status_items
+from .bridge import EngineBridge
+from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
+from .format import MODES, next_mode
+from .messages import TranscriptLoaded
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
-from .widgets import (
-    AssistantMessage,
-    ChatInput,
-    ChatMessage,
-    ChatView,
-    SidePanel,
-    StatusBar,
-    SystemMessage,
-    UserMessage,
-)
-
-REPLY_COMMANDS = ("send", "regenerate", "edit_last")
-INPUT_TITLE = "message · Enter sends · Ctrl+J new line"
-BUSY_TITLE = "reply streaming · Enter queues your message · Esc stops"
-EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
+from .widgets import AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
 
-@dataclass
-class Entry:
-    """One message of the session's conversation, as the UI mirrors it."""
-
-    role: str
-    text: str
-    widget: ChatMessage | None = None
-
-
-class ChatApp(App[int]):
+class ChatApp(EngineLinkApp):
     CSS_PATH = "app.tcss"
     TITLE = "chatapp"
     ENABLE_COMMAND_PALETTE = True
@@ -116,7 +86,6 @@ class ChatApp(App[int]):
         self.mode = config.cache.mode if config.cache.mode != "auto" else "prealloc"
         self.requested_mode = config.cache.mode
         self.entries: list[Entry] = []
-        self.commands: deque[str] = deque()  # submitted commands, oldest first
         self.last_stats: TurnStats | None = None
         self.live_stats: TurnStats | None = None
         self.cache_view: CacheView | None = None
@@ -167,217 +136,6 @@ class ChatApp(App[int]):
         await self.push_screen(self.loading_screen)
         self.bridge.start()
 
-    # ---- engine events ----------------------------------------------------------------------------
-    async def on_engine_event(self, message: EngineEvent) -> None:
-        ev = message.event
-        self.event_log.append(type(ev).__name__)
-        if isinstance(ev, LoadProgress):
-            if self.loading_screen is not None:
-                self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
-            return
-        if isinstance(ev, SessionInfo):
-            self._session_info(ev)
-            return
-        if isinstance(ev, StartupFailed):
-            self._failed(ev)
-            return
-        if isinstance(ev, ChatNotes):
-            self._store_notes(ev.notes)
-            return
-        if isinstance(ev, TranscriptLoaded):
-            if self.loaded:
-                await self._show_transcript(ev)
-            else:
-                self._pending_transcript = ev
-            return
-        if isinstance(ev, ConversationChanged):
-            await self._conversation_changed(ev)
-            return
-        if isinstance(ev, TokenEvent):
-            self.live_stats = self._fz(ev.stats)
-            self._pending_text += ev.text
-            self._update_status()
-        elif isinstance(ev, PrefillProgress):
-            self.live_stats = self._fz(ev.stats)
-            self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
-            self._update_status()
-        elif isinstance(ev, TurnDone):
-            await self._turn_done(ev)
-        elif isinstance(ev, Idle):
-            await self._idle()
-        elif isinstance(ev, Loaded):
-            await self._loaded(ev)
-        elif isinstance(ev, Switched):
-            self.notify(ev.report.line(), title="cache mode", markup=False)
-            self.mode = ev.report.mode
-            self._update_status()
-        elif isinstance(ev, CompareResult):
-            self.compare_rows.append(ev.row)
-            if self.compare_screen is not None:
-                self.compare_screen.add_row(ev.row, ev.done)
-        elif isinstance(ev, Failed):
-            self._failed(ev)
-
-    def _fz(self, stats: TurnStats) -> TurnStats:
-        return freeze(stats) if self.freeze_stats else stats
-
-    async def _loaded(self, ev) -> None:
-        self.loaded = True
-        self.phase = ""
-        self.model_id = ev.model_id or self.model_id
-        # Pop the loading screen (and anything opened over it, e.g. help).
-        while self.loading_screen is not None and self.loading_screen in self.screen_stack:
-            await self.pop_screen()
-        self.loading_screen = None
-        if self._pending_transcript is not None:
-            await self._show_transcript(self._pending_transcript)
-            self._pending_transcript = None
-        elif self.config.chat.system:
-            await self._add_message(SystemMessage(self.config.chat.system, 0), "system")
-        for note in ev.notes:
-            self._notice(note)
-        if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
-            self.notify(self.blas.summary(), markup=False)
-        self.bridge.request_info()
-        self._track("call")
-        self.query_one(ChatInput).focus()
-        self._update_status()
-
-    def _session_info(self, info: SessionInfo) -> None:
-        if self.freeze_stats:
-            info.cache = freeze_cache(info.cache)
-            info.memory = freeze_memory(info.memory)
-        self.info = info
-        self.memory = info.memory
-        self.mode = info.mode
-        self.requested_mode = info.requested_mode
-        self.cache_view = info.cache
-        self._mark_evicted(info.cache.first_visible_message)
-        self._update_status()
-        self._update_panel()
-
-    async def _turn_done(self, ev) -> None:
-        stats = self._fz(ev.stats)
-        widget = self._reply
-        async with self._stream_lock:
-            self._pending_text = ""
-            if widget is not None:
-                await widget.finish(ev.text, stats.finish)
-        self._reply = None
-        self.live_stats = None
-        self.phase = ""
-        interrupted = stats.finish == "cancelled"
-        if ev.text or not interrupted:
-            if widget is not None:
-                widget.conv_index = len(self.entries)
-            self.entries.append(Entry("assistant", ev.text, widget))
-        self.last_stats = stats
-        self.cache_view = stats.cache
-        self.mode = stats.mode or self.mode
-        self.history.append(stats)
-        self.conv_steps.extend(stats.steps)
-        self.conv_memory.extend(stats.memory_trace)
-        self.memory = stats.memory if stats.memory_trace else self.memory
-        if stats.prefix_tokens:  # every time, not once per kind like the notices below
-            self.store_notes.append(("note", stats.prefix_line()))
-            self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
-        for note in stats.notices:
-            self._notice(note)
-        self._mark_evicted(stats.cache.first_visible_message)
-        self._update_status()
-        self._update_panel()
-
-    async def _idle(self) -> None:
-        self.bridge.idle()
-        command = self.commands.popleft() if self.commands else ""
-        if command in REPLY_COMMANDS and self._reply is not None:
-            # The command ended without a TurnDone: it failed (the Failed event said why).
-            await self._flush_stream()
-            self._reply.fail("")
-            self._reply = None
-            self.live_stats = None
-        if command == "compare":
-            if self.compare_screen is not None:
-                self.compare_screen.finish()
-        if command == "switch_mode":
-            self.bridge.request_info()
-            self._track("call")
-        if not self.bridge.busy:
-            self.phase = ""
-            if self.queued:
-                await self._send_queued()
-        self._update_input_state()
-        self._update_status()
-
-    def _failed(self, ev) -> None:
-        self.failures.append((ev.message, ev.detail))
-        if not self.loaded:
-            self.load_error = ev.message
-            if self.loading_screen is not None:
-                self.loading_screen.fail(ev.message)
-            self.notify(ev.message, title="could not load the model", severity="error", markup=False,
-                        timeout=30)
-            return
-        self.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
-
-    def _notice(self, note: str) -> None:
-        key = re.sub(r"\d+", "#", note)
-        if key in self._seen_notices:
-            return
-        self._seen_notices.add(key)
-        self.notify(note, title="note", severity="warning", markup=False, timeout=10)
-
-    # ---- saved conversations ----------------------------------------------------------------------
-    def _store_notes(self, notes: list[tuple[str, str]]) -> None:
-        for level, text in notes:
-            self.store_notes.append((level, text))
-            self.notify(text, title="error" if level == "error" else "note",
-                        severity="error" if level == "error" else "warning", markup=False, timeout=10)
-
-    async def _show_transcript(self, ev: TranscriptLoaded) -> None:
-        """A saved conversation became the session's: show its messages."""
-        self.editing = False
-        await self.query_one(ChatView).remove_children()
-        self.entries = []
-        self.conv_steps = []
-        self.conv_memory = []
-        self.last_stats = None
-        for i, (role, content, interrupted) in enumerate(ev.messages):
-            cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
-            widget = cls(content, i)
-            if isinstance(widget, AssistantMessage):
-                widget.finished = True
-                if interrupted:
-                    widget.tags = ["interrupted"]
-                    widget.add_class("interrupted")
-            self.entries.append(Entry(role, content, widget))
-            await self._mount_message(widget)
-        self.conversation_id = ev.conversation_id
-        self.conversation_title = ev.title
-        self.resume_line = ev.line
-        self.sub_title = ev.title
-        self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
-                    severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
-        self._update_input_state()
-        self._update_status()
-        self._update_panel()
-
-    async def _conversation_changed(self, ev: ConversationChanged) -> None:
-        if ev.deleted:
-            if ev.current:
-                await self._clear_conversation()
-                self.bridge.request_info()
-                self._track("call")
-            self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
-        else:
-            if ev.current:
-                self.conversation_title = ev.title
-                self.sub_title = ev.title
-            self.notify(f"conversation {ev.conversation_id} renamed to {ev.title}", markup=False, timeout=4)
-        if self.sessions_screen is not None and self.sessions_screen.is_attached:
-            self.sessions_screen.current = self._current_conversation()
-            self.sessions_screen.reload()
-
     def _current_conversation(self) -> int | None:
         chat = self.bridge.chat  # an int read from the engine thread's object: no lock needed
         return chat.conversation_id if chat is not None else self.conversation_id
@@ -409,142 +167,21 @@ class ChatApp(App[int]):
         if self._refuse_busy("open"):
             return
         self.bridge.open_conversation(conversation_id)
-        self._track("call")
-        self.bridge.request_info()
-        self._track("call")
+        self._update_input_state()
+        self.request_info()
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         if not self.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
         self.bridge.rename_conversation(conversation_id, title)
-        self._track("call")
+        self._update_input_state()
 
     def delete_conversation(self, conversation_id: int) -> None:
         if self._refuse_busy("delete"):
             return
         self.bridge.delete_conversation(conversation_id)
-        self._track("call")
-
-    async def _clear_conversation(self) -> None:
-        self.editing = False
-        await self.query_one(ChatView).remove_children()
-        self.entries = []
-        self.conv_steps = []
-        self.conv_memory = []
-        self.last_stats = None
-        self.conversation_id = None
-        self.conversation_title = ""
-        self.sub_title = ""
-        if self.config.chat.system:
-            await self._add_message(SystemMessage(self.config.chat.system), "system")
-        self._update_panel()
-
-    # ---- streaming ----------------------------------------------------------------------------------
-    async def _flush_stream(self) -> None:
-        """Move the text received since the last tick into the reply (on a timer, and at the end)."""
-        if self._stream_lock is None:
-            return
-        async with self._stream_lock:
-            if self._reply is not None and self._pending_text:
-                chunk, self._pending_text = self._pending_text, ""
-                await self._reply.append(chunk)
-
-    async def _start_reply(self, command: str, *args: Any, after: ChatMessage | None = None) -> None:
-        widget = AssistantMessage()
-        widget.tags = ["streaming"]
-        await self._mount_message(widget, after=after)
-        self._reply = widget
-        self._pending_text = ""
-        self.live_stats = None
-        self.phase = "thinking"
-        self.bridge.submit(command, *args)
-        self._track(command)
-        self._update_status()
-
-    def _track(self, command: str) -> None:
-        self.commands.append(command)
         self._update_input_state()
-
-    # ---- the transcript mirror --------------------------------------------------------------------------
-    async def _mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
-        chat = self.query_one(ChatView)
-        if after is not None and after.parent is chat:
-            await chat.mount(widget, after=after)
-        else:
-            await chat.mount(widget)
-        if chat.is_anchored and not chat._anchor_released:
-            chat.scroll_end(animate=False)
-
-    async def _add_message(self, widget: ChatMessage, role: str) -> Entry:
-        widget.conv_index = len(self.entries)
-        entry = Entry(role, widget.text, widget)
-        self.entries.append(entry)
-        await self._mount_message(widget)
-        return entry
-
-    def _last_user(self) -> int | None:
-        for i in range(len(self.entries) - 1, -1, -1):
-            if self.entries[i].role == "user":
-                return i
-        return None
-
-    def _mark_evicted(self, first_visible: int) -> None:
-        for i, entry in enumerate(self.entries):
-            if entry.widget is not None:
-                entry.widget.set_evicted(i < first_visible)
-
-    # ---- status and panel ---------------------------------------------------------------------------------
-    def _mode_label(self) -> str:
-        if self.requested_mode == "auto":
-            return f"auto→{self.mode}"
-        return self.mode
-
-    def _budget(self) -> int | None:
-        """Most tokens the current evicting mode keeps (from the settings in use), else None."""
-        if self.info is None:
-            return None
-        e = self.info.effective
-        if self.mode == "window":
-            return e.get("sinks", 0) + e.get("window", 0)
-        if self.mode in ("window-quant", "scored"):
-            return e.get("max_kv_tokens")
-        return None
-
-    def _update_status(self) -> None:
-        if not self.is_mounted:
-            return
-        live = self._reply is not None and self.live_stats is not None
-        stats = self.live_stats if live else self.last_stats
-        cache = live_cache(stats, self.cache_view, self._budget()) if live else self.cache_view
-        if self._reply is not None:
-            phase = "streaming" if self.live_stats and self.live_stats.generated_tokens else self.phase or "thinking"
-        else:
-            phase = self.phase or ("busy" if self.bridge.busy else "")
-        try:
-            bar = self.query_one(StatusBar)
-        except Exception:  # noqa: BLE001 - not composed yet
-            return
-        bar.set_items(status_items(self.model_id, self._mode_label(), stats, cache, live=live, phase=phase,
-                                   memory=self.memory))
-
-    def _update_panel(self) -> None:
-        try:
-            panel = self.query_one(SidePanel)
-        except Exception:  # noqa: BLE001
-            return
-        if panel.display:
-            panel.update_panel(self.conv_steps, self.cache_view, self.history, self.conv_memory, self.memory)
-
-    def _update_input_state(self) -> None:
-        try:
-            chat_input = self.query_one(ChatInput)
-        except Exception:  # noqa: BLE001
-            return
-        busy = self.bridge.busy
-        chat_input.set_class(busy, "busy")
-        chat_input.set_class(self.editing, "editing")
-        chat_input.border_title = EDIT_TITLE if self.editing else BUSY_TITLE if busy else INPUT_TITLE
 
     def _refuse_busy(self, what: str) -> bool:
         if not self.loaded:
@@ -582,13 +219,6 @@ class ChatApp(App[int]):
         self.queued.append(widget)
         await self._mount_message(widget)
 
-    async def _send_queued(self) -> None:
-        widget = self.queued.pop(0)
-        widget.set_tag("queued", False)
-        widget.conv_index = len(self.entries)
-        self.entries.append(Entry("user", widget.text, widget))
-        await self._start_reply("send", widget.text, after=widget)
-
     async def _unqueue(self) -> None:
         """Esc: queued messages go back into the input box instead of being sent."""
         if not self.queued:
@@ -606,7 +236,7 @@ class ChatApp(App[int]):
     async def send(self, text: str) -> None:
         """Send ``text`` as the user's next message (what Enter does)."""
         await self._add_message(UserMessage(text), "user")
-        await self._start_reply("send", text)
+        await self._start_reply(Send(text))
 
     async def _resend_edited(self, text: str) -> None:
         self.editing = False
@@ -628,7 +258,7 @@ class ChatApp(App[int]):
                 await e.widget.remove()
         del self.entries[i + 1:]
         entry.text = text
-        await self._start_reply("edit_last", text)
+        await self._start_reply(EditLast(text))
 
     # ---- actions ----------------------------------------------------------------------------------------
     async def action_cancel(self) -> None:
@@ -646,10 +276,8 @@ class ChatApp(App[int]):
         if self._refuse_busy("new chat"):
             return
         await self._clear_conversation()
-        self.bridge.submit("new_chat")
-        self._track("new_chat")
-        self.bridge.request_info()
-        self._track("call")
+        self.submit(NewChat())
+        self.request_info()
         self._update_panel()
         self.notify("new chat", markup=False, timeout=2)
 
@@ -663,7 +291,7 @@ class ChatApp(App[int]):
             entry = self.entries.pop()
             if entry.widget is not None and entry.widget.is_attached:
                 await entry.widget.remove()
-        await self._start_reply("regenerate")
+        await self._start_reply(Regenerate())
 
     def action_edit_last(self) -> None:
         if self._refuse_busy("edit"):
@@ -716,8 +344,7 @@ class ChatApp(App[int]):
         if self._reply is not None:
             self.notify(f"cache mode {mode}: applies when this reply ends", markup=False, timeout=4)
         self.requested_mode = mode
-        self.bridge.submit("switch_mode", mode, dict(changes or {}))
-        self._track("switch_mode")
+        self.submit(SwitchMode(mode, dict(changes or {})))
         if self._reply is None:
             self.phase = f"switching to {mode}"
         self._update_status()
@@ -752,8 +379,7 @@ class ChatApp(App[int]):
         max_tokens = min(self.config.sampling.max_tokens, 128)
         self.compare_screen = CompareScreen(MODES)
         self.push_screen(self.compare_screen)
-        self.bridge.submit("compare", list(MODES), max_tokens)
-        self._track("compare")
+        self.submit(Compare(tuple(MODES), max_tokens))
         self.phase = "comparing"
         self._update_status()
 

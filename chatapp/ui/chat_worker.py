@@ -1,21 +1,43 @@
 """The TUI's engine worker: the engine's :class:`EngineWorker` with every turn saved.
 
 Imported lazily by :class:`chatapp.ui.bridge.EngineBridge` (it imports MLX). Runs on the engine
-thread: ``send`` / ``regenerate`` / ``edit_last`` / ``new_chat`` go through the bridge's
+thread: ``Send`` / ``Regenerate`` / ``EditLast`` / ``NewChat`` go through the bridge's
 :class:`~chatapp.store.chat.PersistentChat` (each complete message committed, a cancelled reply
 saved marked interrupted), the KV snapshot is saved (and a first turn's prompt kept in the
-prefix store) after each turn once the engine is idle,
-and the chat is closed (snapshot saved, store unlocked) when the worker stops.
+prefix store) after each turn once the engine is idle, the sessions screen's requests
+(open, rename, delete a saved conversation) run against the store, and the chat is closed
+(snapshot saved, store unlocked) when the worker stops.
 """
 
 from __future__ import annotations
 
+import sqlite3
+from typing import Callable
+
 from chatapp.engine.events import Failed
+from chatapp.engine.requests import (
+    DeleteConversation,
+    EditLast,
+    NewChat,
+    OpenConversation,
+    Regenerate,
+    RenameConversation,
+    Request,
+    Send,
+)
 from chatapp.engine.worker import EngineWorker
+from chatapp.store import StoreError
+
+from .messages import ConversationChanged
+
+
+class _NotSaving(Exception):
+    pass
 
 
 class ChatWorker(EngineWorker):
-    """``bridge`` provides ``_make_session``, ``_on_event``, ``chat`` and ``emit_notes``."""
+    """``bridge`` provides ``_make_session``, ``_on_event``, ``chat``, ``emit_notes``, ``emit_transcript``
+    and ``post_event``."""
 
     def __init__(self, bridge) -> None:
         super().__init__(bridge._make_session, bridge._on_event)
@@ -32,29 +54,87 @@ class ChatWorker(EngineWorker):
                 finally:
                     self.bridge.emit_notes()
 
-    def _dispatch(self, command: str, args: tuple) -> None:
+    def _dispatch(self, request: Request) -> None:
         chat = self.bridge.chat
         if chat is None:
-            super()._dispatch(command, args)
+            super()._dispatch(request)
             return
-        if command in ("send", "regenerate", "edit_last"):
-            if command == "send":
-                prepared = chat.prepare(args[0])
+        match request:
+            case Send(text):
+                prepared = chat.prepare(text)
                 if prepared.notes:
                     self.bridge.emit_notes([("note", n) for n in prepared.notes])
                 if not prepared.send:
                     self._emit(Failed(prepared.refusal or "an empty message is not sent"))
                     return
-                args = (prepared.text,)
-            try:
-                for ev in getattr(chat, command)(*args):
-                    self._emit(ev)
-            finally:
+                self._turn(chat.send(prepared.text))
+            case Regenerate():
+                self._turn(chat.regenerate())
+            case EditLast(text):
+                self._turn(chat.edit_last(text))
+            case NewChat():
+                chat.new_chat()
                 self.bridge.emit_notes()
-            chat.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
+            case OpenConversation(conversation_id):
+                self._open(chat, conversation_id)
+            case RenameConversation(conversation_id, title):
+                self._store_op(f"cannot rename conversation {conversation_id}",
+                               lambda: self._rename(chat, conversation_id, title))
+            case DeleteConversation(conversation_id):
+                self._store_op(f"cannot delete conversation {conversation_id}",
+                               lambda: self._delete(chat, conversation_id))
+            case _:
+                super()._dispatch(request)
+
+    def _turn(self, events) -> None:
+        try:
+            for ev in events:
+                self._emit(ev)
+        finally:
             self.bridge.emit_notes()
-        elif command == "new_chat":
-            chat.new_chat()
-            self.bridge.emit_notes()
+        self.bridge.chat.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
+        self.bridge.emit_notes()
+
+    # ---- saved conversations (the sessions screen) --------------------------------------------------
+    def _open(self, chat, conversation_id: int) -> None:
+        """Make a saved conversation the session's, resumed from its KV snapshot when it fits."""
+        try:
+            chat.resume(conversation_id)
+        except StoreError as e:
+            self.bridge.emit_notes([("error", f"cannot open conversation {conversation_id}: {e}")])
+            return
+        self.bridge.emit_transcript(chat)
+
+    @staticmethod
+    def _rename(chat, conversation_id: int, title: str) -> ConversationChanged:
+        if not chat.saving:
+            raise _NotSaving()
+        if conversation_id == chat.conversation_id:
+            chat.rename(title)
         else:
-            super()._dispatch(command, args)
+            chat.store.rename(conversation_id, title)
+        return ConversationChanged(conversation_id, chat.store.get(conversation_id).title,
+                                   current=conversation_id == chat.conversation_id)
+
+    @staticmethod
+    def _delete(chat, conversation_id: int) -> ConversationChanged:
+        if not chat.saving:
+            raise _NotSaving()
+        current = conversation_id == chat.conversation_id
+        if current:
+            chat.new_chat()  # the session forgets it too
+        chat.store.delete(conversation_id)
+        return ConversationChanged(conversation_id, deleted=True, current=current)
+
+    def _store_op(self, what: str, fn: Callable[[], ConversationChanged]) -> None:
+        try:
+            event = fn()
+        except _NotSaving:
+            self.bridge.emit_notes([("error", f"{what}: this chatapp is not saving conversations (another "
+                                              "chatapp holds the data directory, or saving is off)")])
+            return
+        except (StoreError, sqlite3.Error, OSError) as e:
+            self.bridge.emit_notes([("error", f"{what}: {e}")])
+            return
+        self._emit(event)
+        self.bridge.emit_notes()

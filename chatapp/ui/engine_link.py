@@ -1,0 +1,443 @@
+"""The half of the chat app that follows the engine: its messages, the streaming reply, the
+transcript mirror, the status bar and the side panel.
+
+:class:`EngineLinkApp` is the base of :class:`chatapp.ui.app.ChatApp` (which adds the layout,
+the input, the actions and the command palette, and sets the state read here in its
+``__init__``). Each kind of engine event arrives as its own message (:mod:`chatapp.ui.messages`)
+and is handled by its own ``@on`` handler below; each records its ``kind`` in ``event_log``.
+The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
+
+The UI keeps a mirror of the session's conversation (``entries``) so that message indexes
+reported by the engine (``CacheView.first_visible_message``) map to transcript widgets.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from textual import on
+from textual.app import App
+
+from chatapp.engine.events import SessionInfo
+from chatapp.engine.requests import REPLY_REQUESTS, Compare, Describe, Request, Send, SwitchMode
+from chatapp.engine.stats import TurnStats
+
+from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
+from .messages import (
+    CompareMessage,
+    ConversationChanged,
+    ConversationMessage,
+    EngineMessage,
+    FailedMessage,
+    IdleMessage,
+    InfoMessage,
+    LoadedMessage,
+    LoadingMessage,
+    NotesMessage,
+    PrefillMessage,
+    StartupFailedMessage,
+    SwitchedMessage,
+    TokenMessage,
+    TranscriptLoaded,
+    TranscriptMessage,
+    TurnDoneMessage,
+)
+from .widgets import (
+    AssistantMessage,
+    ChatInput,
+    ChatMessage,
+    ChatView,
+    SidePanel,
+    StatusBar,
+    SystemMessage,
+    UserMessage,
+)
+
+INPUT_TITLE = "message · Enter sends · Ctrl+J new line"
+BUSY_TITLE = "reply streaming · Enter queues your message · Esc stops"
+EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
+
+
+@dataclass
+class Entry:
+    """One message of the session's conversation, as the UI mirrors it."""
+
+    role: str
+    text: str
+    widget: ChatMessage | None = None
+
+
+class EngineLinkApp(App[int]):
+    # ---- engine messages, one handler per kind ------------------------------------------------------
+    def _seen(self, message: EngineMessage) -> None:
+        self.event_log.append(message.kind)
+
+    @on(LoadingMessage)
+    def _on_loading(self, message: LoadingMessage) -> None:
+        self._seen(message)
+        ev = message.event
+        if self.loading_screen is not None:
+            self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
+
+    @on(InfoMessage)
+    def _on_info(self, message: InfoMessage) -> None:
+        self._seen(message)
+        self._session_info(message.event)
+
+    @on(StartupFailedMessage)
+    @on(FailedMessage)
+    def _on_failed(self, message: FailedMessage | StartupFailedMessage) -> None:
+        self._seen(message)
+        self._failed(message.event)
+
+    @on(NotesMessage)
+    def _on_notes(self, message: NotesMessage) -> None:
+        self._seen(message)
+        self._store_notes(message.event.notes)
+
+    @on(TranscriptMessage)
+    async def _on_transcript(self, message: TranscriptMessage) -> None:
+        self._seen(message)
+        if self.loaded:
+            await self._show_transcript(message.event)
+        else:
+            self._pending_transcript = message.event
+
+    @on(ConversationMessage)
+    async def _on_conversation(self, message: ConversationMessage) -> None:
+        self._seen(message)
+        await self._conversation_changed(message.event)
+
+    @on(TokenMessage)
+    def _on_token(self, message: TokenMessage) -> None:
+        self._seen(message)
+        ev = message.event
+        self.live_stats = self._fz(ev.stats)
+        self._pending_text += ev.text
+        self._update_status()
+
+    @on(PrefillMessage)
+    def _on_prefill(self, message: PrefillMessage) -> None:
+        self._seen(message)
+        ev = message.event
+        self.live_stats = self._fz(ev.stats)
+        self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
+        self._update_status()
+
+    @on(TurnDoneMessage)
+    async def _on_turn_done(self, message: TurnDoneMessage) -> None:
+        self._seen(message)
+        await self._turn_done(message.event)
+
+    @on(IdleMessage)
+    async def _on_idle(self, message: IdleMessage) -> None:
+        self._seen(message)
+        await self._idle()
+
+    @on(LoadedMessage)
+    async def _on_loaded(self, message: LoadedMessage) -> None:
+        self._seen(message)
+        await self._loaded(message.event)
+
+    @on(SwitchedMessage)
+    def _on_switched(self, message: SwitchedMessage) -> None:
+        self._seen(message)
+        report = message.event.report
+        self.notify(report.line(), title="cache mode", markup=False)
+        self.mode = report.mode
+        self._update_status()
+
+    @on(CompareMessage)
+    def _on_compare(self, message: CompareMessage) -> None:
+        self._seen(message)
+        ev = message.event
+        self.compare_rows.append(ev.row)
+        if self.compare_screen is not None:
+            self.compare_screen.add_row(ev.row, ev.done)
+
+    def _fz(self, stats: TurnStats) -> TurnStats:
+        return freeze(stats) if self.freeze_stats else stats
+
+    async def _loaded(self, ev) -> None:
+        self.loaded = True
+        self.phase = ""
+        self.model_id = ev.model_id or self.model_id
+        # Pop the loading screen (and anything opened over it, e.g. help).
+        while self.loading_screen is not None and self.loading_screen in self.screen_stack:
+            await self.pop_screen()
+        self.loading_screen = None
+        if self._pending_transcript is not None:
+            await self._show_transcript(self._pending_transcript)
+            self._pending_transcript = None
+        elif self.config.chat.system:
+            await self._add_message(SystemMessage(self.config.chat.system, 0), "system")
+        for note in ev.notes:
+            self._notice(note)
+        if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
+            self.notify(self.blas.summary(), markup=False)
+        self.request_info()
+        self.query_one(ChatInput).focus()
+        self._update_status()
+
+    def _session_info(self, info: SessionInfo) -> None:
+        if self.freeze_stats:
+            info.cache = freeze_cache(info.cache)
+            info.memory = freeze_memory(info.memory)
+        self.info = info
+        self.memory = info.memory
+        self.mode = info.mode
+        self.requested_mode = info.requested_mode
+        self.cache_view = info.cache
+        self._mark_evicted(info.cache.first_visible_message)
+        self._update_status()
+        self._update_panel()
+
+    async def _turn_done(self, ev) -> None:
+        stats = self._fz(ev.stats)
+        widget = self._reply
+        async with self._stream_lock:
+            self._pending_text = ""
+            if widget is not None:
+                await widget.finish(ev.text, stats.finish)
+        self._reply = None
+        self.live_stats = None
+        self.phase = ""
+        interrupted = stats.finish == "cancelled"
+        if ev.text or not interrupted:
+            if widget is not None:
+                widget.conv_index = len(self.entries)
+            self.entries.append(Entry("assistant", ev.text, widget))
+        self.last_stats = stats
+        self.cache_view = stats.cache
+        self.mode = stats.mode or self.mode
+        self.history.append(stats)
+        self.conv_steps.extend(stats.steps)
+        self.conv_memory.extend(stats.memory_trace)
+        self.memory = stats.memory if stats.memory_trace else self.memory
+        if stats.prefix_tokens:  # every time, not once per kind like the notices below
+            self.store_notes.append(("note", stats.prefix_line()))
+            self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
+        for note in stats.notices:
+            self._notice(note)
+        self._mark_evicted(stats.cache.first_visible_message)
+        self._update_status()
+        self._update_panel()
+
+    async def _idle(self) -> None:
+        request = self.bridge.idle()
+        if isinstance(request, REPLY_REQUESTS) and self._reply is not None:
+            # The command ended without a TurnDone: it failed (the Failed event said why).
+            await self._flush_stream()
+            self._reply.fail("")
+            self._reply = None
+            self.live_stats = None
+        match request:
+            case Compare() if self.compare_screen is not None:
+                self.compare_screen.finish()
+            case SwitchMode():
+                self.request_info()
+        if not self.bridge.busy:
+            self.phase = ""
+            if self.queued:
+                await self._send_queued()
+        self._update_input_state()
+        self._update_status()
+
+    def _failed(self, ev) -> None:
+        self.failures.append((ev.message, ev.detail))
+        if not self.loaded:
+            self.load_error = ev.message
+            if self.loading_screen is not None:
+                self.loading_screen.fail(ev.message)
+            self.notify(ev.message, title="could not load the model", severity="error", markup=False,
+                        timeout=30)
+            return
+        self.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
+
+    def _notice(self, note: str) -> None:
+        key = re.sub(r"\d+", "#", note)
+        if key in self._seen_notices:
+            return
+        self._seen_notices.add(key)
+        self.notify(note, title="note", severity="warning", markup=False, timeout=10)
+
+    # ---- saved conversations ----------------------------------------------------------------------
+    def _store_notes(self, notes: list[tuple[str, str]]) -> None:
+        for level, text in notes:
+            self.store_notes.append((level, text))
+            self.notify(text, title="error" if level == "error" else "note",
+                        severity="error" if level == "error" else "warning", markup=False, timeout=10)
+
+    async def _show_transcript(self, ev: TranscriptLoaded) -> None:
+        """A saved conversation became the session's: show its messages."""
+        self.editing = False
+        await self.query_one(ChatView).remove_children()
+        self.entries = []
+        self.conv_steps = []
+        self.conv_memory = []
+        self.last_stats = None
+        for i, (role, content, interrupted) in enumerate(ev.messages):
+            cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
+            widget = cls(content, i)
+            if isinstance(widget, AssistantMessage):
+                widget.finished = True
+                if interrupted:
+                    widget.tags = ["interrupted"]
+                    widget.add_class("interrupted")
+            self.entries.append(Entry(role, content, widget))
+            await self._mount_message(widget)
+        self.conversation_id = ev.conversation_id
+        self.conversation_title = ev.title
+        self.resume_line = ev.line
+        self.sub_title = ev.title
+        self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
+                    severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
+        self._update_input_state()
+        self._update_status()
+        self._update_panel()
+
+    async def _conversation_changed(self, ev: ConversationChanged) -> None:
+        if ev.deleted:
+            if ev.current:
+                await self._clear_conversation()
+                self.request_info()
+            self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
+        else:
+            if ev.current:
+                self.conversation_title = ev.title
+                self.sub_title = ev.title
+            self.notify(f"conversation {ev.conversation_id} renamed to {ev.title}", markup=False, timeout=4)
+        if self.sessions_screen is not None and self.sessions_screen.is_attached:
+            self.sessions_screen.current = self._current_conversation()
+            self.sessions_screen.reload()
+
+    async def _clear_conversation(self) -> None:
+        self.editing = False
+        await self.query_one(ChatView).remove_children()
+        self.entries = []
+        self.conv_steps = []
+        self.conv_memory = []
+        self.last_stats = None
+        self.conversation_id = None
+        self.conversation_title = ""
+        self.sub_title = ""
+        if self.config.chat.system:
+            await self._add_message(SystemMessage(self.config.chat.system), "system")
+        self._update_panel()
+
+    # ---- streaming ----------------------------------------------------------------------------------
+    async def _flush_stream(self) -> None:
+        """Move the text received since the last tick into the reply (on a timer, and at the end)."""
+        if self._stream_lock is None:
+            return
+        async with self._stream_lock:
+            if self._reply is not None and self._pending_text:
+                chunk, self._pending_text = self._pending_text, ""
+                await self._reply.append(chunk)
+
+    async def _start_reply(self, request: Request, after: ChatMessage | None = None) -> None:
+        widget = AssistantMessage()
+        widget.tags = ["streaming"]
+        await self._mount_message(widget, after=after)
+        self._reply = widget
+        self._pending_text = ""
+        self.live_stats = None
+        self.phase = "thinking"
+        self.submit(request)
+        self._update_status()
+
+    def submit(self, request: Request) -> None:
+        """Hand ``request`` to the engine thread (it is in flight, the app busy, until its Idle)."""
+        self.bridge.submit(request)
+        self._update_input_state()
+
+    def request_info(self) -> None:
+        self.submit(Describe())
+
+    # ---- the transcript mirror --------------------------------------------------------------------------
+    async def _mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
+        chat = self.query_one(ChatView)
+        if after is not None and after.parent is chat:
+            await chat.mount(widget, after=after)
+        else:
+            await chat.mount(widget)
+        if chat.is_anchored and not chat._anchor_released:
+            chat.scroll_end(animate=False)
+
+    async def _add_message(self, widget: ChatMessage, role: str) -> Entry:
+        widget.conv_index = len(self.entries)
+        entry = Entry(role, widget.text, widget)
+        self.entries.append(entry)
+        await self._mount_message(widget)
+        return entry
+
+    def _last_user(self) -> int | None:
+        for i in range(len(self.entries) - 1, -1, -1):
+            if self.entries[i].role == "user":
+                return i
+        return None
+
+    def _mark_evicted(self, first_visible: int) -> None:
+        for i, entry in enumerate(self.entries):
+            if entry.widget is not None:
+                entry.widget.set_evicted(i < first_visible)
+
+    # ---- status and panel ---------------------------------------------------------------------------------
+    def _mode_label(self) -> str:
+        if self.requested_mode == "auto":
+            return f"auto→{self.mode}"
+        return self.mode
+
+    def _budget(self) -> int | None:
+        """Most tokens the current evicting mode keeps (from the settings in use), else None."""
+        if self.info is None:
+            return None
+        e = self.info.effective
+        if self.mode == "window":
+            return e.get("sinks", 0) + e.get("window", 0)
+        if self.mode in ("window-quant", "scored"):
+            return e.get("max_kv_tokens")
+        return None
+
+    def _update_status(self) -> None:
+        if not self.is_mounted:
+            return
+        live = self._reply is not None and self.live_stats is not None
+        stats = self.live_stats if live else self.last_stats
+        cache = live_cache(stats, self.cache_view, self._budget()) if live else self.cache_view
+        if self._reply is not None:
+            phase = "streaming" if self.live_stats and self.live_stats.generated_tokens else self.phase or "thinking"
+        else:
+            phase = self.phase or ("busy" if self.bridge.busy else "")
+        try:
+            bar = self.query_one(StatusBar)
+        except Exception:  # noqa: BLE001 - not composed yet
+            return
+        bar.set_items(status_items(self.model_id, self._mode_label(), stats, cache, live=live, phase=phase,
+                                   memory=self.memory))
+
+    def _update_panel(self) -> None:
+        try:
+            panel = self.query_one(SidePanel)
+        except Exception:  # noqa: BLE001
+            return
+        if panel.display:
+            panel.update_panel(self.conv_steps, self.cache_view, self.history, self.conv_memory, self.memory)
+
+    def _update_input_state(self) -> None:
+        try:
+            chat_input = self.query_one(ChatInput)
+        except Exception:  # noqa: BLE001
+            return
+        busy = self.bridge.busy
+        chat_input.set_class(busy, "busy")
+        chat_input.set_class(self.editing, "editing")
+        chat_input.border_title = EDIT_TITLE if self.editing else BUSY_TITLE if busy else INPUT_TITLE
+
+    async def _send_queued(self) -> None:
+        widget = self.queued.pop(0)
+        widget.set_tag("queued", False)
+        widget.conv_index = len(self.entries)
+        self.entries.append(Entry("user", widget.text, widget))
+        await self._start_reply(Send(widget.text), after=widget)
