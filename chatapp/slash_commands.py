@@ -15,7 +15,6 @@ behave the same::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +152,7 @@ def apply_command(session, cmd: Command) -> str:
         changes = dict(cmd.changes)
         if "seed" in changes and changes["seed"] == -1:
             changes["seed"] = None
-        session.generation = dataclasses.replace(session.generation, **changes)
+        session.set_generation(**changes)
         shown = ", ".join(f"{k}={cmd.changes[k]}" for k in cmd.changes)
         return f"sampling: {shown}"
     raise ValueError(f"apply_command does not run {cmd.kind!r} commands")

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
-from typing import TextIO
 
 from .errors import UserError
 
@@ -18,8 +16,11 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
-def _print_notes(chat, printable) -> None:
-    for n in chat.take_notes():
+def _print_notes(notes) -> None:
+    """The store's notes (and errors), one line each on stderr."""
+    from .textsafe import printable
+
+    for n in notes:
         print(f"chatapp: {n.level}: {printable(n.text)}", file=sys.stderr)
 
 
@@ -31,8 +32,10 @@ def run_no_tui(args, config, blas) -> int:
     143 after SIGTERM (the reply stops, is saved as interrupted, the snapshot is written).
     """
     from .engine.events import TokenEvent, TurnDone
+    from .engine.requests import Send
     from .store import read_lines, resolve_data_dir
     from .store.chat import ModelIdentity, open_chat
+    from .store.statslog import StatsLog
     from .textsafe import printable
 
     if args.prompt is not None and not args.prompt.strip():
@@ -58,13 +61,13 @@ def run_no_tui(args, config, blas) -> int:
     chat = open_chat(session, ModelIdentity.from_loaded(loaded, config.model.id), resolve_data_dir(config),
                      save=not args.no_save, resume=resume_id, snapshot_cap_mb=config.data.snapshot_cap_mb,
                      prefix_cap_mb=config.data.prefix_cap_mb)
-    _print_notes(chat, err_safe)
+    _print_notes(chat.take_notes())
     info = chat.resume_info
     if info is not None and info.from_snapshot and args.verbose:
         print(f"chatapp: {info.line()}", file=sys.stderr)
     pending_resume = info.to_json() if info is not None else None
 
-    stats_file: TextIO | None = None
+    stats_log = StatsLog(None)
     state = {"replying": False, "cancelled": False, "term": False}
 
     def on_signal(signum, frame):
@@ -76,53 +79,47 @@ def run_no_tui(args, config, blas) -> int:
             return
         raise KeyboardInterrupt
 
+    def show(ev) -> None:
+        """Each event of the reply: its text on stdout; at the end the statistics row."""
+        nonlocal pending_resume
+        match ev:
+            case TokenEvent(text=text) if text:
+                out.write(safe(text))
+                out.flush()
+            case TurnDone(stats=stats):
+                state["replying"] = False
+                out.write("\n")
+                out.flush()
+                extra = {"conversation_id": chat.conversation_id}
+                if pending_resume is not None:
+                    extra["resume"] = pending_resume
+                stats_log.write(stats, **extra)
+                pending_resume = None
+                if args.verbose:
+                    for n in stats.notices:
+                        print(f"chatapp: note: {n}", file=sys.stderr)
+                    if stats.prefix_tokens:
+                        print(f"chatapp: {stats.prefix_line()}", file=sys.stderr)
+                    print(f"chatapp: {stats.short()}", file=sys.stderr)
+
     def turn(text: str) -> str:
         """Returns "ok", "cancelled" or "refused"."""
-        nonlocal pending_resume
-        prepared = chat.prepare(text)
-        for n in prepared.notes:
-            print(f"chatapp: note: {err_safe(n)}", file=sys.stderr)
-        if not prepared.send:
-            print(f"chatapp: error: {prepared.refusal}", file=sys.stderr)
-            return "refused"
-        state["replying"], state["cancelled"] = True, False
-        finish = "ok"
+        def started() -> None:
+            state["replying"], state["cancelled"] = True, False
+
         try:
-            for ev in chat.send(prepared.text):
-                if isinstance(ev, TokenEvent) and ev.text:
-                    out.write(safe(ev.text))
-                    out.flush()
-                elif isinstance(ev, TurnDone):
-                    state["replying"] = False
-                    out.write("\n")
-                    out.flush()
-                    if stats_file:
-                        row = ev.stats.to_json()
-                        row["conversation_id"] = chat.conversation_id
-                        if pending_resume is not None:
-                            row["resume"] = pending_resume
-                        stats_file.write(json.dumps(row) + "\n")
-                        stats_file.flush()
-                    pending_resume = None
-                    if args.verbose:
-                        for n in ev.stats.notices:
-                            print(f"chatapp: note: {n}", file=sys.stderr)
-                        if ev.stats.prefix_tokens:
-                            print(f"chatapp: {ev.stats.prefix_line()}", file=sys.stderr)
-                        print(f"chatapp: {ev.stats.short()}", file=sys.stderr)
-                    finish = "cancelled" if ev.stats.finish == "cancelled" else "ok"
-                    break
+            result = chat.turn(Send(text), show, _print_notes, started=started)
         finally:
             state["replying"] = False
-        _print_notes(chat, err_safe)
-        chat.after_turn()  # idle now: the snapshot for --resume, the first turn's prompt for the prefix store
-        _print_notes(chat, err_safe)
-        return finish
+        if result.refusal:
+            print(f"chatapp: error: {result.refusal}", file=sys.stderr)
+            return "refused"
+        return "cancelled" if result.done is not None and result.done.stats.finish == "cancelled" else "ok"
 
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     try:
-        stats_file = open(args.stats_json, "a", encoding="utf-8") if args.stats_json else None
+        stats_log = StatsLog(args.stats_json)
         if args.prompt is not None:
             result = turn(args.prompt)
             if state["term"]:
@@ -167,7 +164,6 @@ def run_no_tui(args, config, blas) -> int:
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
-        if stats_file:
-            stats_file.close()
+        stats_log.close()
         chat.close()  # a reply still streaming is kept as interrupted; the snapshot is saved
-        _print_notes(chat, err_safe)
+        _print_notes(chat.take_notes())

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from cache import CacheSettings
+from chatapp.engine.compare import compare_modes
 from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.generate import GenerationSettings, StopMatcher, run_turn
-from chatapp.engine.session import Session, compare_modes
+from chatapp.engine.session import Session
 from chatapp.prompt.conversation import Conversation
 from chatapp.prompt.formats import PromptFormat
 

@@ -12,9 +12,9 @@ is generated once and written with one ``update_and_fetch`` into
 Then ``--tokens`` + 1 greedy tokens are decoded from one start token:
 
 * chatapp: one model step gives the first logits, then the Session's own decode loop
-  (``Session._decode``: sampler, ``mx.async_eval`` pipelining, detokeniser, stop matcher, step
-  statistics) runs with the filled caches (EOS and stop strings off, so every run decodes the
-  same number of tokens);
+  (``Session.decode`` over ``generate.decode_tokens``: sampler, ``mx.async_eval`` pipelining,
+  detokeniser, stop matcher, step statistics) runs with the filled caches (EOS and stop strings
+  off, so every run decodes the same number of tokens);
 * mlx-lm: ``mlx_lm.stream_generate(model, tokenizer, [start], prompt_cache=filled KVCache)``
   (generate_step's pipelining plus the same detokeniser; EOS off).
 
@@ -42,7 +42,7 @@ A cache that concatenates (``concat``) frees its whole K/V and allocates a large
 so its cache grows by about the whole history each token; a preallocated one writes in place.
 
 Gauges. ``prealloc, gauges off`` is prealloc with the Session's memory gauges off
-(``Session.gauges = False``); it runs in every repeat next to prealloc, and the paired ratio
+(``Session(gauges=False)``); it runs in every repeat next to prealloc, and the paired ratio
 (gauges on / off) shows what is visible of their cost. The cost itself is measured directly
 (``gauge_cost_us``: one reading, timed over 20,000) and set against the median prealloc step:
 the target is under 0.1% of a step.
@@ -190,7 +190,6 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: b
     """Step intervals (ms) of the Session's decode loop over caches filled with ``kv``;
     ``gauges``: the Session reads MLX's memory gauges as in the app; ``on_token()`` runs after
     every token."""
-    import mlx.core as mx
 
     from cache import make_caches
     from chatapp.engine.events import TurnDone
@@ -198,23 +197,20 @@ def decode_chatapp(model, tokenizer, settings, kv, start: int, n: int, gauges: b
     from chatapp.engine.session import Session
     from chatapp.engine.stats import TurnStats
 
+    # No end tokens: the loop runs its fixed length. The speed bench uses the settings as given
+    # (Session would fit window budgets to the model's trained context), on caches filled with
+    # the shared synthetic K/V.
     session = Session(model, tokenizer, cache_settings=settings, mode=settings.mode, raw=True,
-                      generation=GenerationSettings(temp=0.0, max_tokens=n + 1))
-    # The speed bench uses the settings as given (Session would fit window budgets to the
-    # model's trained context), on caches filled with the shared synthetic K/V.
-    session.settings = settings
-    session.gauges = gauges
-    session.caches = make_caches(model, settings, session.geometry)
-    _fill(session.caches, kv)
-    held = session.caches[0].offset
-    session.cached = [start] * held
-    session.eos_ids = set()
+                      generation=GenerationSettings(temp=0.0, max_tokens=n + 1), gauges=gauges, eos_ids=set())
+    caches = make_caches(model, settings, session.geometry)
+    _fill(caches, kv)
+    held = caches[0].offset
+    session.adopt(caches, [start] * held, settings)
     stats = TurnStats(mode=settings.mode)
     t0 = time.perf_counter()
-    logits = model(mx.array([[start]]), cache=session.caches)[:, -1, :]
-    session.cached.append(start)
+    logits = session.prefill([start])
     done = None
-    for ev in session._decode(logits, stats, t0):
+    for ev in session.decode(logits, stats, t0):
         if isinstance(ev, TurnDone):
             done = ev
         elif on_token is not None:
@@ -468,7 +464,7 @@ def run(args) -> int:
                     round(base["peak_mib"], 2), round(base["active_per_token"]), round(base["cache_per_token"]))
     rep.meta.update(
         method="caches filled with the same float32 random-normal K/V per context (no prefill); chatapp = "
-               "Session._decode over make_caches(mode); mlx-lm = stream_generate over make_prompt_cache; "
+               "Session.decode over make_caches(mode); mlx-lm = stream_generate over make_prompt_cache; "
                "run tok/s = 1000 / median step ms of the run; tok/s = median over runs; each repeat visits every "
                "context and peer (order reversed on alternate repeats); ratio = median over repeats of (run tok/s / "
                "mlx-lm run tok/s, same repeat and context); the targets use paired ratios",

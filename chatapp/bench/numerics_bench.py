@@ -135,9 +135,9 @@ def run(args) -> int:
     import numpy as np
 
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.bench.cpu_bench import _loadavg
+    from chatapp.bench.common import loadavg
 
-    load_start = _loadavg()
+    load_start = loadavg()
     models = {}
     for numerics in ("exact", "fast"):
         model, meta = load_gguf_llama(args.model)
@@ -162,7 +162,7 @@ def run(args) -> int:
                 ", ".join(f"{v:.1f}" for v in rates[n]),
                 ", ".join(f"{a / b:.2f}" for a, b in zip(rates[n], rates["exact"])))
     print(rep.table())
-    print(f"# load average: {load_start} at the start, {_loadavg()} at the end")
-    rep.meta.update(load_average_start=load_start, load_average_end=_loadavg(), rates=rates, perplexity=ppl)
+    print(f"# load average: {load_start} at the start, {loadavg()} at the end")
+    rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)
     emit(rep, args.json, None, None)
     return 0

@@ -116,17 +116,15 @@ def _save(model, tok, ident, args, data_dir: Path, length: int) -> tuple[int, in
     """Store a conversation of ``length`` tokens with its snapshot; (id, tokens, snapshot bytes)."""
     from chatapp.engine.generate import GenerationSettings
     from chatapp.engine.session import Session
-    from chatapp.engine.stats import TurnStats
     from chatapp.store.chat import open_chat
     from chatapp.store.paths import snapshot_path
 
     s = Session(model, tok, mode=args.mode, generation=GenerationSettings(temp=0.0, max_tokens=1))
     conv = _history(s, length)
     chat = open_chat(s, ident, data_dir)
-    s.conversation = conv
+    s.load_conversation(conv)
     tokens = s.format.tokens(conv, generation_prompt=False)
-    for _ in s._prefill(tokens, TurnStats(), step=s._prefill_step()):  # as compare_modes does
-        pass
+    s.prefill(tokens)  # as compare_modes does
     chat.commit()
     if not chat.save_snapshot():
         raise SystemExit(f"resume bench: the snapshot was not written: {[str(n) for n in chat.take_notes()]}")
@@ -162,7 +160,8 @@ def _reprefill(model, tok, args, data_dir: Path, cid: int) -> dict:
     s = Session(model, tok, mode=args.mode, generation=GenerationSettings(temp=0.0, max_tokens=1))
     t0 = time.perf_counter()
     with ChatStore.open(data_dir, write=False) as store:
-        s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in store.messages(cid)])
+        s.load_conversation(Conversation([Message(m.role, m.content, m.interrupted)
+                                          for m in store.messages(cid)]))
     done = run_turn(s.send(NEXT_MESSAGE))
     return dict(total=time.perf_counter() - t0, reused=done.stats.reused_tokens,
                 prefilled=done.stats.prefill_tokens, token=done.text)

@@ -152,9 +152,8 @@ def run_conversation(model, tokenizer, args, messages: list[str], first_stateles
             # pipelined decode loop (the next step is scheduled before the first token is read);
             # the reply is cancelled once it has its first token.
             fresh = Session(model, tokenizer, mode=args.mode, generation=greedy)
-            fresh.conversation = before.copy()
-            fresh.conversation.add("user", msg)
-            return _finish(fresh.reply(), stop_after_first=fresh)
+            fresh.load_conversation(before.copy())
+            return _finish(fresh.send(msg), stop_after_first=fresh)
 
         def reuse():
             return _finish(session.send(msg))

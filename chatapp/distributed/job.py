@@ -48,7 +48,6 @@ optimised BLAS is loaded, and that must happen before ``mlx.core`` is imported.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -86,6 +85,7 @@ from chatapp.slash_commands import (
     parse_line,
     validate_command,
 )
+from chatapp.store.statslog import StatsLog
 
 EXIT_PEER_LOST = 3  # a rank was lost, hung, or the ranks diverged
 EXIT_USER = 2
@@ -136,8 +136,9 @@ class DistributedJob:
         self.watchdog = Watchdog(timeout, self._on_stall, self._on_signal)
         self.channel = Channel(group, self.watchdog)
         self.session = None
+        self.chat = None  # a PersistentChat that saves nothing: the turn driver every front end shares
         self.info: ShardInfo | None = None
-        self.stats_file: TextIO | None = None
+        self.stats_log = None  # rank 0's --stats-json (chatapp.store.statslog.StatsLog)
         self.turn_no = 0
         self.partial = False  # rank 0 has printed part of a reply
         self.sigints = 0
@@ -154,7 +155,9 @@ class DistributedJob:
     def kept(self) -> str:
         if self.session is None:
             return "no conversation had started"
-        msgs = [m for m in self.session.conversation.messages if m.role != "system"]
+        # A reply cut off by the failure is kept in memory marked interrupted (the turn driver
+        # does that); it was not printed whole, so it is not counted.
+        msgs = [m for m in self.session.conversation.messages if m.role != "system" and not m.interrupted]
         replies = sum(1 for m in msgs if m.role == "assistant")
         return (f"kept the conversation up to the last complete message ({len(msgs)} messages, "
                 f"{replies} complete {'reply' if replies == 1 else 'replies'}, all printed above)")
@@ -170,8 +173,8 @@ class DistributedJob:
                     where = f" during turn {self.turn_no}" if self.turn_no else ""
                     dropped = "; the unfinished reply was not kept" if self.partial else ""
                     self.say(f"error: distributed run stopped{where}: {reason}; {self.kept()}{dropped}")
-                    if self.stats_file:
-                        self.stats_file.flush()
+                    if self.stats_log is not None:
+                        self.stats_log.flush()
                 else:
                     self.say(f"error: stopping: {reason}")
                 self.err.flush()
@@ -231,8 +234,9 @@ class DistributedJob:
             from chatapp.engine.setup import session_from_config
 
             loaded, self.info = load_shard(self.config, self.group, hello.get("strategy"))
-            self.session = session_from_config(self.config, loaded)
-            self.session._cancel = SharedCancel(self.channel)
+            # Ctrl-C on any rank stops the reply on every rank at the same token.
+            self.session = session_from_config(self.config, loaded, cancel=SharedCancel(self.channel))
+            self.chat = _in_memory_chat(self.session, loaded, self.config.model.id)
         except ShardError as e:
             error = str(e)
         except (SetupError, ModelLoadError, CacheConfigError) as e:
@@ -267,32 +271,38 @@ class DistributedJob:
 
     def execute(self, cmd: Command, seed: int | None) -> tuple[Any, RankState]:
         """Run one command on this rank; returns (what rank 0 shows, the synced state)."""
-        from chatapp.engine.events import TokenEvent, TurnDone
+        from chatapp.engine.requests import Send
 
         s = self.session
         shown = None
         if cmd.kind == "send":
             self.turn_no += 1
-            s.generation = dataclasses.replace(s.generation, seed=seed)
-            done = None
-            for ev in s.send(cmd.text):
-                if self.rank == 0 and isinstance(ev, TokenEvent) and ev.text:
-                    self.out.write(self.safe(ev.text))
-                    self.out.flush()
-                    self.partial = True
-                elif isinstance(ev, TurnDone):
-                    done = ev
-                    if self.rank == 0:
-                        self.out.write("\n")
-                        self.out.flush()
-                        self.partial = False
-            shown = done
+            s.set_generation(seed=seed)
+            # Every rank runs the message as rank 0 validated it (no admission: the ranks must
+            # not diverge); only rank 0 prints.
+            result = self.chat.turn(Send(cmd.text), self._show, lambda notes: None, admit=False)
+            shown = result.done
         else:
             try:
                 shown = apply_command(s, cmd)
             except CacheConfigError as e:  # validated on rank 0 first; every rank fails the same way
                 shown = e
         return shown, self._sync()
+
+    def _show(self, ev) -> None:
+        from chatapp.engine.events import TokenEvent, TurnDone
+
+        if self.rank != 0:
+            return
+        match ev:
+            case TokenEvent(text=text) if text:
+                self.out.write(self.safe(text))
+                self.out.flush()
+                self.partial = True
+            case TurnDone():
+                self.out.write("\n")
+                self.out.flush()
+                self.partial = False
 
     # ---- loops -----------------------------------------------------------------------------------
     def _quit(self, code: int) -> int:
@@ -330,8 +340,7 @@ class DistributedJob:
         for note in s.notices:
             self.say(f"note: {note}")
         self.safe = printable if self.out.isatty() else (lambda t: t)
-        if args.stats_json:
-            self.stats_file = open(args.stats_json, "a", encoding="utf-8")
+        self.stats_log = StatsLog(args.stats_json)
         lines = _Lines(None if args.prompt is None else [args.prompt], self.stdin)
         first = True
         try:
@@ -373,16 +382,16 @@ class DistributedJob:
                 if isinstance(shown, TurnDone):
                     self._report(shown, state)
                     if shown.stats.finish == "cancelled":
-                        s._cancel.clear()
+                        s.cancel_token.clear()
                         return self._quit(EXIT_CANCELLED)
                 elif isinstance(shown, str):
                     self.say(shown)
                 elif shown is not None:
                     self.say(f"error: {shown}")
         finally:
-            if self.stats_file:
-                self.stats_file.close()
-                self.stats_file = None
+            if self.stats_log is not None:
+                self.stats_log.close()
+                self.stats_log = None
 
     def _report(self, done, state: RankState) -> None:
         from chatapp.engine.stats import fmt_bytes
@@ -402,11 +411,8 @@ class DistributedJob:
                 "kv_heads_per_rank": self.info.local_kv_heads if self.info else None,
             },
         }
-        if self.stats_file:
-            d = done.stats.to_json()
-            d.update(extra)
-            self.stats_file.write(json.dumps(d) + "\n")
-            self.stats_file.flush()
+        if self.stats_log is not None:
+            self.stats_log.write(done.stats, **extra)
         if self.args.verbose:
             for n in done.stats.notices:
                 self.say(f"note: {n}")
@@ -470,6 +476,14 @@ class _Lines:
             return self.q.get(timeout=timeout)
         except queue.Empty:
             return self.WAIT
+
+
+def _in_memory_chat(session, loaded, spec: str):
+    """The session in a PersistentChat with no store: nothing is saved (a distributed run keeps
+    its conversation in memory), but the turns run through the one turn driver."""
+    from chatapp.store.chat import ModelIdentity, PersistentChat
+
+    return PersistentChat(session, ModelIdentity.from_loaded(loaded, spec), None)
 
 
 def _env_float(name: str, default: float) -> float:

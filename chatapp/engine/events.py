@@ -2,7 +2,8 @@
 
 The UI, the CLI and the distributed job import these without loading MLX (the BLAS preload must
 come first). Turn events (PrefillProgress, TokenEvent, TurnDone), worker events (Loaded, Failed,
-Switched, CompareResult, Idle), results of the session (SwitchReport, CompareRow, SessionInfo) and
+Switched, CompareResult, Idle), results of the session (SwitchReport, CompareRow, SessionInfo,
+Admission) and
 the loading screen's LoadProgress.
 """
 
@@ -26,6 +27,15 @@ class SwitchReport:
                 "unchanged": "nothing to do"}[self.action]
         extra = f"; {'; '.join(self.notes)}" if self.notes else ""
         return f"cache mode {self.mode}: {verb} in {self.seconds * 1000:.0f} ms ({self.reason}){extra}"
+
+
+@dataclass
+class Admission:
+    """Whether a user message may be sent as it is (:meth:`Session.admit`), and what to tell the user."""
+
+    send: bool
+    refusal: str = ""  # why it is refused (one line)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass

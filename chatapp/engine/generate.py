@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -74,3 +74,40 @@ class StopMatcher:
         out = self.text[self.shown : upto] if upto > self.shown else ""
         self.shown = max(self.shown, upto)
         return out
+
+
+# ---- the token-level decode loop ----------------------------------------------------------------
+def decode_tokens(model, caches: list, logits: mx.array, sample: Callable[[mx.array], mx.array], max_tokens: int,
+                  *, cancelled: Callable[[], bool] = lambda: False,
+                  observe: Callable[[mx.array], None] | None = None) -> Iterator[tuple[int, bool, int]]:
+    """Sample from ``logits``, then step the model one token at a time over ``caches``
+    (as mlx-lm's ``generate_step`` sits under ``stream_generate``).
+
+    Yields ``(token, fed, context)``: ``fed`` says the token went into the caches (every one but
+    the ``max_tokens``-th, whose successor is never needed), ``context`` the cache length its
+    step attended over. The next step is scheduled before a token is handed out, so the model
+    runs while the caller handles it. ``observe(y)`` sees each token fed back before the next
+    sample (repetition penalties); the loop ends, before scheduling another step, once
+    ``cancelled()``. The caller stops reading at an end token or stop string, and after a token
+    that was not fed.
+    """
+    y = sample(logits)
+    mx.async_eval(y)
+    n = 0
+    context = 0
+    while not cancelled():
+        fed = n + 1 < max_tokens
+        if fed:
+            # Schedule the next step before reading this token: the model runs while
+            # Python handles the current one (as mlx-lm's generate_step does).
+            context = caches[0].offset + 1
+            nxt = model(y[None], cache=caches)[:, -1, :]
+            if observe is not None:
+                observe(y)
+            y_next = sample(nxt)
+            mx.async_eval(y_next)
+        yield y.item(), fed, context
+        if not fed:
+            return
+        n += 1
+        y = y_next

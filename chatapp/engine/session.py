@@ -10,6 +10,7 @@ method meant to be called from another thread.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Iterator
@@ -28,8 +29,8 @@ from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
-from .events import CompareRow, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
-from .generate import GenerationSettings, StopMatcher
+from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
+from .generate import GenerationSettings, StopMatcher, decode_tokens
 from .memory import memory_total, read_gauges
 from .prefix import PrefixSource, warm_start
 from .stats import CacheView, StepStat, TurnStats
@@ -56,10 +57,15 @@ class Session:
         model_id: str = "",
         cancel: threading.Event | None = None,
         notices: list[str] | None = None,
+        gauges: bool = True,
+        eos_ids: set[int] | None = None,
     ):
         """``format_choice`` (prompt.choice.FormatChoice) says which format and why; ``cancel`` is
         the event that stops a running reply (a copy of the session may share its owner's);
-        ``notices`` are load-time lines for the user (a GGUF's conversions, the CPU plan)."""
+        ``notices`` are load-time lines for the user (a GGUF's conversions, the CPU plan);
+        ``gauges=False`` skips MLX's memory gauges during turns (benchmarks price them);
+        ``eos_ids`` replaces the tokens that end a reply (None: the tokenizer's and the format's;
+        an empty set: none, for benchmarks that decode a fixed length)."""
         self.model = model
         self.model_id = model_id
         self.tokenizer = tokenizer
@@ -84,7 +90,7 @@ class Session:
         # (no lossy conversion since they were filled); the prefix store only keeps such K/V.
         self.kv_exact = True
         self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
-        self.gauges = True  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
+        self.gauges = gauges  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
         # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
         # (<|im_end|> for chatml), and a BOS in the middle of a reply (below).
         self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or []) | self.format.stop_token_ids
@@ -95,6 +101,8 @@ class Session:
         bos = getattr(tokenizer, "bos_token_id", None)
         if bos is not None and bos not in (getattr(tokenizer, "pad_token_id", None),):
             self.eos_ids.add(bos)
+        if eos_ids is not None:
+            self.eos_ids = set(eos_ids)
 
     # ---- settings and modes -------------------------------------------------------------------
     @property
@@ -138,8 +146,7 @@ class Session:
             tokens, self.cached = self.cached, []
             self.kv_exact = True
             if tokens:
-                for _ in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
-                    pass
+                self.prefill(tokens)
             return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
         return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
@@ -155,6 +162,42 @@ class Session:
         return self.settings.evict_chunk if self.settings.evicts else FULL_PREFILL_STEP
 
     # ---- conversation operations ----------------------------------------------------------------
+    def admit(self, text: str) -> Admission:
+        """The policy for a user message before it is sent: one that would take the conversation
+        past the model's trained context is refused when the cache mode keeps every token, or
+        (auto mode) makes the session take its long-history policy now; one longer than an
+        evicting cache keeps gets a note saying what the model will see. Nothing is ever cut
+        silently. ``text`` is not added to the conversation."""
+        notes: list[str] = []
+        conv = self.conversation.copy()
+        conv.add("user", text)
+        try:
+            total = len(self.format.tokens(conv))
+        except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the order of roles
+            reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            return Admission(False, f"message not sent: the chat template refuses the conversation ({reason})")
+        max_pos = self.geometry.max_positions
+        if max_pos and total > max_pos and self.settings.budget is None:
+            report = self.use_long_policy()
+            if report is None:
+                return Admission(False, (
+                    f"message not sent: with it the conversation is {total} tokens, more than the model's "
+                    f"context of {max_pos}, and cache mode {self.mode} keeps every token "
+                    "(use --cache-mode window, window-quant or auto)"))
+            notes.append(f"the conversation ({total} tokens) is longer than the model's context ({max_pos}): "
+                         f"{report.line()}")
+        if self.settings.budget is not None:
+            messages = self.conversation.messages
+            before = len(self.format.tokens(self.conversation, generation_prompt=False)) if messages else 0
+            own = total - before
+            keep = self.settings.budget
+            if own > keep:
+                notes.append(
+                    f"this message is about {own} tokens, more than the {keep} the {self.mode} cache keeps: "
+                    f"the model will see the first {self.settings.sinks} tokens of the conversation and the "
+                    f"last {keep - self.settings.sinks} (the whole message is kept in the transcript)")
+        return Admission(True, "", notes)
+
     def send(self, text: str) -> Iterator:
         self.conversation.add("user", text)
         return self.reply()
@@ -178,6 +221,25 @@ class Session:
         self.conversation = Conversation.start(keep)
         self._reset_caches()
 
+    def load_conversation(self, conversation: Conversation) -> None:
+        """Make ``conversation`` the session's (a saved one, a prepared history). The caches are
+        left as they are: the next turn keeps what they share with it and prefills the rest."""
+        self.conversation = conversation
+
+    def keep_interrupted(self, text: str, seq: int) -> None:
+        """A reply abandoned mid-way (its reader stopped): keep ``text``, what was shown of it, as
+        an interrupted reply at message ``seq``, unless the conversation already moved on."""
+        if text and len(self.conversation.messages) == seq:
+            self.conversation.add("assistant", text, interrupted=True)
+
+    def attach_prefixes(self, source: PrefixSource | None) -> None:
+        """Take the stored prefixes of ``source`` (the prefix store) when a turn starts from empty caches."""
+        self.prefix_source = source
+
+    def set_generation(self, **changes) -> None:
+        """Change sampling settings (temp, top_p, seed, max_tokens, ...) from the next turn on."""
+        self.generation = dataclasses.replace(self.generation, **changes)
+
     def _reset_caches(self) -> None:
         self.cached = []
         self.caches = make_caches(self.model, self.settings, self.geometry)
@@ -186,6 +248,11 @@ class Session:
     def cancel(self) -> None:
         """Stop the running reply between two tokens (safe from any thread)."""
         self._cancel.set()
+
+    @property
+    def cancel_token(self):
+        """The event that stops this session's replies (given at construction, or its own)."""
+        return self._cancel
 
     # ---- one turn -----------------------------------------------------------------------------
     def reply(self) -> Iterator[PrefillProgress | TokenEvent | TurnDone]:
@@ -225,7 +292,7 @@ class Session:
             self._finish(stats, t0, "", interrupted=True)
             yield TurnDone("", stats)
             return
-        yield from self._decode(logits, stats, t0)
+        yield from self.decode(logits, stats, t0)
 
     def _reuse(self, prompt: list[int]) -> int:
         """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
@@ -248,6 +315,15 @@ class Session:
                 c.trim(drop)
             del self.cached[common:]
         return common
+
+    def prefill(self, tokens: list[int]) -> mx.array | None:
+        """Run ``tokens`` into the caches after what they hold (in the mode's chunks, untimed, no
+        events); returns the logits of the last position (None for no tokens)."""
+        logits = None
+        for item in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
+            if not isinstance(item, PrefillProgress):
+                logits = item
+        return logits
 
     def _prefill(self, tokens: list[int], stats: TurnStats, step: int):
         """Run ``tokens`` through the model in chunks; yields progress, then the last logits."""
@@ -273,7 +349,10 @@ class Session:
         if logits is not None:
             yield logits
 
-    def _decode(self, logits: mx.array, stats: TurnStats, t0: float):
+    def decode(self, logits: mx.array, stats: TurnStats, t0: float) -> Iterator[TokenEvent | TurnDone]:
+        """The text-level decode: the reply from ``logits`` (the prompt's last position) as
+        TokenEvents, then TurnDone; the token loop underneath is :func:`generate.decode_tokens`.
+        ``t0`` is when the turn started (TTFT counts from it)."""
         gen = self.generation
         if gen.seed is not None:
             mx.random.seed(gen.seed)
@@ -286,7 +365,7 @@ class Session:
         ban = None
 
         def sample(lg):
-            nonlocal history, ban
+            nonlocal ban
             if banned:
                 if ban is None:
                     ban = mx.zeros((lg.shape[-1],), lg.dtype)
@@ -298,28 +377,18 @@ class Session:
             logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
             return sampler(logprobs)
 
+        def observe(y):
+            nonlocal history
+            history = mx.concatenate([history, y])
+
         detok = self.tokenizer.detokenizer
         detok.reset()
         stops = StopMatcher(list(self.format.stop_strings))
-        y = sample(logits)
-        mx.async_eval(y)
         n, finish = 0, "length"
         t_last = None
-        while True:
-            if self._cancel.is_set():
-                finish = "cancelled"
-                break
-            fed = n + 1 < gen.max_tokens
-            if fed:
-                # Schedule the next step before reading this token: the model runs while
-                # Python handles the current one (as mlx-lm's generate_step does).
-                context = self.caches[0].offset + 1
-                nxt = self.model(y[None], cache=self.caches)[:, -1, :]
-                if processors:
-                    history = mx.concatenate([history, y])
-                y_next = sample(nxt)
-                mx.async_eval(y_next)
-            tok = y.item()
+        steps = decode_tokens(self.model, self.caches, logits, sample, gen.max_tokens,
+                              cancelled=self._cancel.is_set, observe=observe if processors else None)
+        for tok, fed, context in steps:
             now = time.perf_counter()
             if fed:
                 self.cached.append(tok)
@@ -345,7 +414,8 @@ class Session:
                 break
             if not fed:
                 break
-            y = y_next
+        else:
+            finish = "cancelled"  # decode_tokens ends on its own only when cancelled
         detok.finalize()
         tail, stopped = stops.feed(detok.last_segment)
         tail += "" if stopped else stops.flush()
@@ -423,8 +493,7 @@ class Session:
         asked for, other sizes), the session switches to its own, converting the caches (or
         re-prefilling), and returns that report; otherwise None.
         """
-        self.caches, self.cached, self.settings = caches, list(cached), settings
-        self.kv_exact = exact
+        self.adopt(caches, cached, settings, exact)
         if self.requested_mode == AUTO:
             fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
         else:
@@ -435,6 +504,13 @@ class Session:
         report = self.switch_mode(requested)
         self.requested_mode = requested
         return report
+
+    def adopt(self, caches: list, cached: list[int], settings: CacheSettings, exact: bool = False) -> None:
+        """Take ``caches`` (made with ``settings``, holding ``cached``) as they are, without
+        fitting the settings to the model or switching modes (:meth:`restore_state` does that;
+        benchmarks use this to time caches filled their own way)."""
+        self.caches, self.cached, self.settings = caches, list(cached), settings
+        self.kv_exact = exact
 
     def use_long_policy(self) -> SwitchReport | None:
         """Auto mode: take the long-history policy now instead of at ``long_after`` (for a prompt
@@ -493,50 +569,3 @@ class Session:
         """Mean over layers of the scored caches' evictable attention share (None otherwise)."""
         shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
         return sum(shares) / len(shares) if shares else None
-
-
-def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> Iterator[CompareRow]:
-    """Replay the conversation's last turn in each mode on a copy of the session.
-
-    Each copy first prefills the history before the last user message (not timed), then runs
-    the last turn greedily and reports its TTFT and decode rate, so the modes are compared on
-    the same context.
-    """
-    conv = session.conversation.copy()
-    if conv.last and conv.last.role == "assistant":
-        conv.messages.pop()
-    i = conv.last_index("user")
-    if i is None:
-        return
-    history = conv.copy()
-    del history.messages[i:]
-    gen = GenerationSettings(temp=0.0, max_tokens=max_tokens)
-    session._cancel.clear()
-    # Warm up (first-call kernel set-up would otherwise be charged to the first mode).
-    warm = make_caches(session.model, CacheSettings(mode="prealloc"), session.geometry)
-    mx.eval(session.model(mx.array([[0, 1]]), cache=warm))
-    for mode in modes:
-        if session._cancel.is_set():
-            return
-        try:
-            twin = Session(session.model, session.tokenizer, cache_settings=session.base_settings, mode=mode,
-                           long_after=session.long_after, generation=gen, prompt_format=session.format)
-        except CacheConfigError as e:
-            yield CompareRow(mode, 0, 0, 0.0, 0.0, 0.0, 0, "", error=str(e))
-            continue
-        twin._cancel = session._cancel  # cancelling the session stops the comparison too
-        twin.conversation = history.copy()
-        if history.messages:
-            prefix = twin.format.tokens(history, generation_prompt=False)
-            for _ in twin._prefill(prefix, TurnStats(), step=twin._prefill_step()):
-                pass
-        twin.conversation = conv.copy()
-        context = twin.caches[0].offset
-        done = None
-        for ev in twin.reply():
-            if isinstance(ev, TurnDone):
-                done = ev
-        s = done.stats
-        yield CompareRow(mode, context, s.prompt_tokens, s.ttft, s.prefill_tps, s.decode_tps,
-                         s.generated_tokens, done.text)
-        del twin

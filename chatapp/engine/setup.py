@@ -111,14 +111,15 @@ def load_notices(loaded: LoadedModel) -> list[str]:
     return notes
 
 
-def session_from_config(config, loaded: LoadedModel) -> Session:
+def session_from_config(config, loaded: LoadedModel, cancel=None) -> Session:
+    """The Session the settings call for; ``cancel`` (a threading.Event-like token) stops its replies."""
     fmt, choice = prompt_format_for(config, loaded)
     try:
         session = Session(
             loaded.model, loaded.tokenizer, cache_settings=cache_settings_from(config), mode=config.cache.mode,
             long_after=config.cache.long_after, generation=generation_from(config),
             system=config.chat.system, prompt_format=fmt, format_choice=choice, model_id=loaded.model_id,
-            notices=load_notices(loaded),
+            notices=load_notices(loaded), cancel=cancel,
         )
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None

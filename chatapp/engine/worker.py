@@ -14,9 +14,10 @@ import threading
 import traceback
 from typing import Any, Callable
 
+from .compare import compare_modes
 from .events import CompareResult, Failed, Idle, Loaded, Switched
 from .requests import Compare, Describe, EditLast, NewChat, Quit, Regenerate, Request, Send, SwitchMode
-from .session import Session, compare_modes
+from .session import Session
 
 
 class EngineWorker:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from chatapp.model.hub import DownloadProgress, _looks_like_path, resolve_gguf_file
+from chatapp.model.hub import DownloadProgress, looks_like_path, resolve_gguf_file
 from chatapp.model.modelfiles import ModelLoadError
 
 GGUF_SUFFIX = ".gguf"
@@ -57,7 +57,7 @@ def find_gguf(
         if len(files) > 1:
             raise _several(spec, files)
         return files[0].resolve(), files[0].stem
-    if local.suffix.lower() == GGUF_SUFFIX or _looks_like_path(repo):
+    if local.suffix.lower() == GGUF_SUFFIX or looks_like_path(repo):
         if local.suffix.lower() == GGUF_SUFFIX:
             raise ModelLoadError(f"no GGUF file at {spec}")
         return None  # the folder loader says there is nothing there

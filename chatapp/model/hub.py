@@ -234,7 +234,7 @@ def _env_offline() -> bool:
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
 
 
-def _looks_like_path(spec: str) -> bool:
+def looks_like_path(spec: str) -> bool:
     return (
         spec.startswith(("/", "./", "../", "~", ".\\", "..\\"))
         or spec in (".", "..")
@@ -367,7 +367,7 @@ def local_model_path(spec: str) -> tuple[Path, str] | None:
     local = Path(spec).expanduser()
     if local.is_dir():
         return local.resolve(), local.resolve().name
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         return None
     from huggingface_hub import snapshot_download
 
@@ -396,7 +396,7 @@ def resolve_model_path(
         return local.resolve(), local.resolve().name
     if local.exists():
         raise ModelLoadError(f"{spec} is a file, not a model folder")
-    if _looks_like_path(spec):
+    if looks_like_path(spec):
         raise ModelLoadError(f"no model folder at {spec} (and it is not a Hugging Face repo id)")
 
     from huggingface_hub import snapshot_download

@@ -11,7 +11,7 @@
 * :meth:`PersistentChat.save_snapshot` (after a turn, when idle, and on :meth:`close`) writes
   the session's KV caches to a snapshot; :meth:`PersistentChat.resume` reads the transcript and
   restores the caches from the snapshot when it fits, else lets the next turn re-prefill the
-  transcript, saying why;
+  transcript, saying why (both in :mod:`chatapp.store.resume`);
 * a failing write (disk full, read-only file system, ...) is reported once as a
   :class:`Note` and the chat goes on in memory; nothing committed before is touched.
 
@@ -22,21 +22,22 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from chatapp.engine.events import TokenEvent, TurnDone
-from chatapp.prompt.conversation import Conversation, Message, common_prefix
+from chatapp.engine.requests import EditLast, Regenerate, Send
+from chatapp.prompt.conversation import Conversation, common_prefix
 
 from .db import ChatStore, StoreError, describe_sqlite_error
 from .lock import StoreBusy
-from .paths import prefix_dir, prune_snapshots, snapshot_path
+from .paths import prefix_dir
+from .resume import MiB, ResumeInfo, SnapshotResume, transcript_hash
 from .textio import clean_text, is_blank
 
 PARTIAL_SECONDS = 0.5
 PARTIAL_TOKENS = 64
-MiB = 1 << 20
 
 
 @dataclass
@@ -68,35 +69,6 @@ class ModelIdentity:
 
 
 @dataclass
-class ResumeInfo:
-    """How a conversation was resumed (the ``resume`` field of ``--stats-json``)."""
-
-    conversation_id: int
-    source: str  # "snapshot": caches restored; "transcript": the next turn re-prefills
-    reason: str  # why the snapshot was not used ("" when it was)
-    messages: int
-    snapshot_tokens: int  # token ids the restored caches represent (0 for "transcript")
-    load_seconds: float  # reading the transcript and restoring the caches
-    switch: str = ""  # a cache-mode switch made after restoring (other settings asked for now)
-
-    @property
-    def from_snapshot(self) -> bool:
-        return self.source == "snapshot"
-
-    def line(self) -> str:
-        if self.from_snapshot:
-            text = (f"resumed conversation {self.conversation_id} ({self.messages} messages) from its KV "
-                    f"snapshot: {self.snapshot_tokens} tokens restored in {self.load_seconds * 1000:.0f} ms, "
-                    "no re-prefill")
-            return text + (f"; {self.switch}" if self.switch else "")
-        return (f"conversation {self.conversation_id}: KV snapshot not used ({self.reason}); "
-                f"re-prefilling its {self.messages} messages from the transcript")
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
 class Prepared:
     """A message checked before sending (see :meth:`PersistentChat.prepare`)."""
 
@@ -104,6 +76,14 @@ class Prepared:
     send: bool  # False: blank (ignored) or refused
     refusal: str = ""  # why it is refused (one line); "" for a blank message
     notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TurnResult:
+    """How :meth:`PersistentChat.turn` ended: the reply's TurnDone, or why the message was refused."""
+
+    done: TurnDone | None = None
+    refusal: str = ""  # not "": the message was not sent, and this says why (one line)
 
 
 @dataclass
@@ -116,14 +96,7 @@ class _Turn:
     time_at_write: float = 0.0
 
 
-def transcript_hash(session, messages: list[Message]) -> str:
-    """sha256 of the token ids ``messages`` render to (no generation prompt)."""
-    from .snapshot import token_hash
-
-    return token_hash(session.format.tokens(Conversation(list(messages)), generation_prompt=False))
-
-
-class PersistentChat:
+class PersistentChat(SnapshotResume):
     """A :class:`Session` whose conversation is stored as it goes; see the module docstring.
 
     ``store`` is None (nothing saved) or a :class:`ChatStore`; one opened read-only can be
@@ -153,7 +126,7 @@ class PersistentChat:
 
             self.namespace = namespace_for(session, identity.weights_fingerprint, identity.model_id)
             prefixes.writable = self.saving  # only the lock holder writes, touches and removes blocks
-            session.prefix_source = StoreSource(prefixes, self.namespace, lambda text: self._note("note", text))
+            session.attach_prefixes(StoreSource(prefixes, self.namespace, lambda text: self._note("note", text)))
 
     # ---- state ----------------------------------------------------------------------------------
     @property
@@ -171,43 +144,56 @@ class PersistentChat:
 
     # ---- sending --------------------------------------------------------------------------------
     def prepare(self, text: str) -> Prepared:
-        """Check a message before sending: blank ones are ignored; one that would take the
-        conversation past the model's trained context is refused when the cache mode keeps every
-        token, or (auto mode) makes the session take its long-history policy now; one longer
-        than an evicting cache keeps gets a note saying what the model will see. Nothing is
-        ever cut silently."""
+        """Check a message before sending: blank ones are ignored; the rest go through the
+        session's admission policy (:meth:`~chatapp.engine.session.Session.admit`: past the
+        trained context, longer than an evicting cache keeps)."""
         text = clean_text(text)
         if is_blank(text):
             return Prepared(text, False)
-        s = self.session
-        notes: list[str] = []
-        conv = s.conversation.copy()
-        conv.add("user", text)
+        admission = self.session.admit(text)
+        return Prepared(text, admission.send, admission.refusal, admission.notes)
+
+    def turn(self, request, emit: Callable[[object], None], notes: Callable[[list[Note]], None], *,
+             admit: bool = True, started: Callable[[], None] | None = None) -> TurnResult:
+        """One turn, as every front end runs it (the TUI's engine worker, ``--no-tui``, a
+        distributed run): ``request`` is a :class:`~chatapp.engine.requests.Send`,
+        ``Regenerate`` or ``EditLast``.
+
+        A message is first admitted (:meth:`prepare`; ``admit=False`` sends it as it is); the
+        reply's events go to ``emit`` as they come, each message saved; once the reply is over
+        the idle work runs (:meth:`after_turn`: the snapshot, the prefix store). The store's
+        notes go to ``notes`` after the admission, after the reply (also when it fails) and
+        after the idle work. ``started()`` runs once the message is admitted, as the reply begins.
+        """
+        match request:
+            case Send(text):
+                if admit:
+                    prepared = self.prepare(text)
+                    if prepared.notes:
+                        notes([Note("note", n) for n in prepared.notes] + self.take_notes())
+                    if not prepared.send:
+                        return TurnResult(refusal=prepared.refusal or "an empty message is not sent")
+                    text = prepared.text
+                events = self.send(text)
+            case Regenerate():
+                events = self.regenerate()
+            case EditLast(text):
+                events = self.edit_last(text)
+            case _:
+                raise ValueError(f"{request!r} is not a turn")
+        if started is not None:
+            started()
+        done = None
         try:
-            total = len(s.format.tokens(conv))
-        except Exception as e:  # noqa: BLE001 - e.g. a chat template that refuses the order of roles
-            reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            return Prepared(text, False, f"message not sent: the chat template refuses the conversation ({reason})")
-        max_pos = s.geometry.max_positions
-        if max_pos and total > max_pos and s.settings.budget is None:
-            report = s.use_long_policy()
-            if report is None:
-                return Prepared(text, False, (
-                    f"message not sent: with it the conversation is {total} tokens, more than the model's "
-                    f"context of {max_pos}, and cache mode {s.mode} keeps every token "
-                    "(use --cache-mode window, window-quant or auto)"))
-            notes.append(f"the conversation ({total} tokens) is longer than the model's context ({max_pos}): "
-                         f"{report.line()}")
-        if s.settings.budget is not None:
-            before = len(s.format.tokens(s.conversation, generation_prompt=False)) if s.conversation.messages else 0
-            own = total - before
-            keep = s.settings.budget
-            if own > keep:
-                notes.append(
-                    f"this message is about {own} tokens, more than the {keep} the {s.mode} cache keeps: "
-                    f"the model will see the first {s.settings.sinks} tokens of the conversation and the "
-                    f"last {keep - s.settings.sinks} (the whole message is kept in the transcript)")
-        return Prepared(text, True, "", notes)
+            for ev in events:
+                if isinstance(ev, TurnDone):
+                    done = ev
+                emit(ev)
+        finally:
+            notes(self.take_notes())
+        self.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
+        notes(self.take_notes())
+        return TurnResult(done)
 
     def send(self, text: str) -> Iterator:
         """Add a user message and stream the reply (the session's events), saving both."""
@@ -290,9 +276,7 @@ class PersistentChat:
         if not finished:
             # The reply was abandoned mid-way (an exception, or the caller stopped reading): keep
             # what was shown as an interrupted reply, in the session as in the store.
-            conv = self.session.conversation
-            if turn.text and len(conv.messages) == turn.seq:
-                conv.add("assistant", turn.text, interrupted=True)
+            self.session.keep_interrupted(turn.text, turn.seq)
         self._sync(from_seq=turn.seq if turn.written else None)
 
     # ---- the transcript ---------------------------------------------------------------------------
@@ -341,57 +325,6 @@ class PersistentChat:
             return
         if self._write(lambda: self.store.replace_messages(self.conversation_id, k, msgs[k:])):
             self._mirror = msgs
-
-    # ---- snapshots --------------------------------------------------------------------------------
-    def _snapshot_path(self) -> Path:
-        return snapshot_path(self.store.data_dir, self.conversation_id)
-
-    def _current_key(self) -> tuple:
-        from .snapshot import token_hash
-
-        s = self.session
-        n = len(s.conversation.messages)
-        return (token_hash(s.cached), s.settings, n, transcript_hash(s, s.conversation.messages))
-
-    def save_snapshot(self) -> bool:
-        """Write the caches to this conversation's snapshot when they changed since the last one.
-
-        Call it when idle (after a turn) and on exit. Returns True when a snapshot was written.
-        Skipped (False) when nothing is saved, the caches are mid-update, the size cap is 0 or
-        too small (said once), or an earlier snapshot write failed (said then).
-        """
-        from .snapshot import SnapshotWriteError, save_snapshot, state_nbytes
-
-        s = self.session
-        if (not self.saving or self.conversation_id is None or self._snapshot_failed or self._turn is not None
-                or not s.cached or self.cap_bytes <= 0 or not s.cache_consistent()):
-            return False
-        key = self._current_key()
-        if key == self._snapshot_key:
-            return False
-        estimate = state_nbytes(s.caches) + 4 * len(s.cached)
-        if estimate > self.cap_bytes:
-            if not self._cap_noted:
-                self._cap_noted = True
-                self._note("note", f"the KV snapshot ({estimate / MiB:.1f} MiB) is larger than data.snapshot_cap_mb "
-                                   f"({self.cap_bytes // MiB} MiB), so it is not saved: resuming will re-prefill")
-            return False
-        path = self._snapshot_path()
-        try:
-            save_snapshot(
-                path, caches=s.caches, tokens=s.cached, settings=s.settings, requested_mode=s.requested_mode,
-                model_id=self.identity.model_id, weights_fingerprint=self.identity.weights_fingerprint,
-                messages=key[2], transcript_sha256=key[3], prompt_format=s.format.key,
-                conversation_id=self.conversation_id,
-                renderings=[m.raw for m in s.conversation.messages[: key[2]]])
-        except SnapshotWriteError as e:
-            self._snapshot_failed = True
-            self._note("error", f"could not save the KV snapshot to {path} ({e}): resuming will re-prefill; "
-                                "what was saved before is intact")
-            return False
-        self._snapshot_key = key
-        prune_snapshots(self.store.data_dir, self.cap_bytes, keep=path)
-        return True
 
     def after_turn(self) -> None:
         """Idle work once a turn is over: the KV snapshot, then the prefix store."""
@@ -454,87 +387,6 @@ class PersistentChat:
             except Exception:  # noqa: BLE001 - a chat template may refuse a system message alone
                 pass
         return out
-
-    # ---- resuming ---------------------------------------------------------------------------------
-    def resume(self, ref: int | str | None = None) -> ResumeInfo:
-        """Continue a saved conversation (``ref``: its id, or None / "latest").
-
-        The transcript becomes the session's conversation. The snapshot is used when it was made
-        by this model (id and weights fingerprint), its token ids and data are intact, and the
-        transcript's first messages still render to the tokens it was made from; its caches are
-        then restored and the next turn prefills only the new message. Otherwise the caches
-        start empty and the next turn re-prefills the transcript; :attr:`ResumeInfo.reason` (and
-        a note) says why. Raises :class:`~chatapp.store.db.NotFound` for an unknown id.
-        """
-        from .snapshot import SnapshotError
-
-        if self.store is None:
-            raise StoreError("there is no conversation store to resume from")
-        self._close_open_turn()
-        t0 = time.perf_counter()
-        cid = self.store.resolve(ref)
-        stored = self.store.messages(cid)
-        s = self.session
-        s.new_chat()
-        s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in stored])
-        self.conversation_id = cid
-        self._mirror = [(m.role, m.content, m.status) for m in stored]
-        self._snapshot_key = None
-        info = self.store.get(cid)
-        if self.saving and (info.model_id, info.model_spec, info.weights_fingerprint) != (
-                self.identity.model_id, self.identity.model_spec, self.identity.weights_fingerprint):
-            self._write(lambda: self.store.set_model(
-                cid, model_id=self.identity.model_id, model_spec=self.identity.model_spec,
-                weights_fingerprint=self.identity.weights_fingerprint, prompt_format=s.format.key))
-        try:
-            restored, switch = self._restore_snapshot(cid, s.conversation.messages)
-            self.resume_info = ResumeInfo(cid, "snapshot", "", len(stored), restored,
-                                          time.perf_counter() - t0, switch)
-        except SnapshotError as e:
-            s.new_chat()
-            s.conversation = Conversation([Message(m.role, m.content, m.interrupted) for m in stored])
-            self.resume_info = ResumeInfo(cid, "transcript", str(e), len(stored), 0, time.perf_counter() - t0)
-            self._note("note", self.resume_info.line())
-        return self.resume_info
-
-    def _restore_snapshot(self, cid: int, messages: list[Message]) -> tuple[int, str]:
-        import mlx.core as mx
-
-        from cache import CacheConfigError
-        from cache.factory import restore_caches
-
-        from .snapshot import SnapshotError, read_snapshot
-
-        s = self.session
-        snap = read_snapshot(snapshot_path(self.store.data_dir, cid))
-        if snap.conversation_id != cid:
-            raise SnapshotError(f"it belongs to conversation {snap.conversation_id}")
-        if snap.model_id != self.identity.model_id:
-            raise SnapshotError(f"it was made with model {snap.model_id}, not {self.identity.model_id}")
-        if snap.weights_fingerprint != self.identity.weights_fingerprint:
-            raise SnapshotError(f"the weights of {self.identity.model_id} have changed since it was made")
-        if snap.prompt_format != s.format.key:
-            # Another layout of the same messages: its cached tokens are not this format's.
-            raise SnapshotError(
-                f"it was made with the {snap.prompt_format} prompt format, this chat uses {s.format.key}")
-        if snap.messages > len(messages):
-            raise SnapshotError(f"it covers {snap.messages} messages, the transcript has only {len(messages)}")
-        # Replies as the model saw them (Message.raw) are kept in the snapshot, not the database;
-        # one is only used for the message it was made from.
-        for m, raw in zip(messages, snap.renderings):
-            if raw is not None and m.role == "assistant" and raw.strip() == m.content.strip():
-                m.raw = raw
-        if transcript_hash(s, messages[: snap.messages]) != snap.transcript_sha256:
-            raise SnapshotError("the transcript renders to other tokens than the ones it holds")
-        try:
-            caches = restore_caches(s.model, snap.settings, snap.states, snap.metas, s.geometry)
-            mx.eval([c.state for c in caches])
-        except (CacheConfigError, ValueError) as e:  # CacheStateError is a ValueError
-            raise SnapshotError(f"it does not fit this model ({e})") from None
-        report = s.restore_state(caches, snap.tokens, snap.settings)
-        if report is None:
-            self._snapshot_key = self._current_key()  # nothing new to save until the next turn
-        return len(snap.tokens), report.line() if report else ""
 
     # ---- closing ----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -605,5 +457,5 @@ def open_chat(session, identity: ModelIdentity, data_dir: str | Path, *, save: b
 
 __all__ = [
     "ModelIdentity", "Note", "PARTIAL_SECONDS", "PARTIAL_TOKENS", "PersistentChat", "Prepared", "ResumeInfo",
-    "open_chat", "transcript_hash",
+    "TurnResult", "open_chat", "transcript_hash",
 ]

@@ -60,18 +60,10 @@ class ChatWorker(EngineWorker):
             super()._dispatch(request)
             return
         match request:
-            case Send(text):
-                prepared = chat.prepare(text)
-                if prepared.notes:
-                    self.bridge.emit_notes([("note", n) for n in prepared.notes])
-                if not prepared.send:
-                    self._emit(Failed(prepared.refusal or "an empty message is not sent"))
-                    return
-                self._turn(chat.send(prepared.text))
-            case Regenerate():
-                self._turn(chat.regenerate())
-            case EditLast(text):
-                self._turn(chat.edit_last(text))
+            case Send() | Regenerate() | EditLast():
+                result = chat.turn(request, self._emit, self._notes)
+                if result.refusal:
+                    self._emit(Failed(result.refusal))
             case NewChat():
                 chat.new_chat()
                 self.bridge.emit_notes()
@@ -86,14 +78,8 @@ class ChatWorker(EngineWorker):
             case _:
                 super()._dispatch(request)
 
-    def _turn(self, events) -> None:
-        try:
-            for ev in events:
-                self._emit(ev)
-        finally:
-            self.bridge.emit_notes()
-        self.bridge.chat.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
-        self.bridge.emit_notes()
+    def _notes(self, notes) -> None:
+        self.bridge.emit_notes([(n.level, n.text) for n in notes])
 
     # ---- saved conversations (the sessions screen) --------------------------------------------------
     def _open(self, chat, conversation_id: int) -> None:
