@@ -17,6 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
+# What a user may ask for: a mode, or "auto" (the session's policy: prealloc while short, a
+# window mode once long). The one list that config, CLI, UI, slash commands and benches use.
+AUTO = "auto"
+MODE_CHOICES = (AUTO, *MODES)
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 

@@ -11,7 +11,9 @@ import os
 import sys
 from typing import Any
 
-from .config import CACHE_MODES, CHAT_FORMATS, ConfigError, load_config
+from cache.settings import MODE_CHOICES
+
+from .config import CHAT_FORMATS, DENSE_WEIGHT_MODES, KERNEL_MODES, ConfigError, load_config
 from .errors import SetupError, UserError
 from .sessions_cli import sessions_main
 from .stdin_chat import run_no_tui
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never sample end-of-sequence: generate max-tokens tokens (benchmarks, tests)")
     g.add_argument("--seed", type=int, help="-1 for random")
     c = p.add_argument_group("KV cache")
-    c.add_argument("--cache-mode", choices=CACHE_MODES)
+    c.add_argument("--cache-mode", choices=MODE_CHOICES)
     c.add_argument("--window", type=int, help="recent tokens kept at full precision (window modes)")
     c.add_argument("--sinks", type=int, help="attention-sink tokens kept at the start (window modes)")
     c.add_argument("--kv-bits", type=int, help="4 or 8")
@@ -95,8 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the effective configuration and where each value came from")
     x = p.add_argument_group("CPU backend")
     x.add_argument("--blas", help="auto, off, or a path to a BLAS library exporting cblas_*")
-    x.add_argument("--dense-weights", choices=["auto", "on", "off"])
-    x.add_argument("--kernels", choices=["auto", "off"],
+    x.add_argument("--dense-weights", choices=DENSE_WEIGHT_MODES)
+    x.add_argument("--kernels", choices=KERNEL_MODES,
                    help="chatapp's CPU kernels on the packed weights (default auto)")
     x.add_argument("--threads", type=int, help="kernel threads (0: one per core)")
     p.add_argument("--data-dir", help="where conversations and snapshots are stored")

@@ -36,11 +36,14 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import platformdirs
 
+from cache.settings import MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
+
 __all__ = [
     "APP_NAME",
     "CONFIG_DIR_ENV",
-    "CACHE_MODES",
     "NUMERICS",
+    "DENSE_WEIGHT_MODES",
+    "KERNEL_MODES",
     "CHAT_FORMATS",
     "SOURCE_DEFAULT",
     "SOURCE_COMMAND_LINE",
@@ -66,11 +69,10 @@ APP_NAME = "chatapp"
 CONFIG_DIR_ENV = "CHATAPP_CONFIG_DIR"
 CONFIG_FILE_NAME = "config.toml"
 
-# The cache modes a user can choose ("auto" plus cache.settings.MODES); kept here, MLX-free,
-# for the CLI and the UI.
 # cpu.numerics: the fused decode step's 4-bit products (backend/cpu.py validates against this too)
 NUMERICS = ("exact", "fast")
-CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
+DENSE_WEIGHT_MODES = ("auto", "on", "off")  # cpu.dense_weights (backend/cpu.py validates against these too)
+KERNEL_MODES = ("auto", "off")  # cpu.kernels
 # The prompt formats ("auto" plus prompt.formats.FORMAT_NAMES).
 CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
 
@@ -308,13 +310,13 @@ class CacheConfig:
     """``[cache]``: the key/value cache strategy and its sizes (in tokens)."""
 
     mode: str = _setting(
-        "auto", _Choice(*CACHE_MODES))
+        "auto", _Choice(*MODE_CHOICES))
     chunk_size: int = _setting(256, _Int(multiple_of=256))
     sinks: int = _setting(4, _Int(minimum=0))
     window: int = _setting(1024, _Int(minimum=1))
     evict_chunk: int = _setting(256, _Int(minimum=1))
-    kv_bits: int = _setting(8, _Choice(4, 8))
-    kv_group_size: int = _setting(64, _Choice(32, 64, 128))
+    kv_bits: int = _setting(8, _Choice(*QUANT_BITS))
+    kv_group_size: int = _setting(64, _Choice(*QUANT_GROUP_SIZES))
     quant_start: int = _setting(512, _Int(minimum=0))
     max_kv_tokens: int = _setting(4096, _Int(minimum=1))
     long_after: int = _setting(2048, _Int(minimum=1))
@@ -349,10 +351,10 @@ class CpuConfig:
     """``[cpu]``: CPU-only speed-ups."""
 
     blas: str = _setting("auto", _Str(nonempty=True))
-    kernels: str = _setting("auto", _Choice("auto", "off"))
+    kernels: str = _setting("auto", _Choice(*KERNEL_MODES))
     threads: int = _setting(0, _Int(minimum=0))
     kernel_max_tokens: int = _setting(4, _Int(minimum=1))
-    dense_weights: str = _setting("auto", _Choice("auto", "on", "off"))
+    dense_weights: str = _setting("auto", _Choice(*DENSE_WEIGHT_MODES))
     dense_budget_fraction: float = _setting(0.25, _Float(lo=0.0, hi=1.0))
     dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
     fast_attention: bool = _setting(True, _Bool())

@@ -18,10 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache.settings import MODE_CHOICES
+
 CACHE_KEYS = ("window", "sinks", "evict_chunk", "kv_bits", "kv_group_size", "max_kv_tokens",
               "quant_start", "chunk_size")
 SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty")
-MODE_NAMES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
 
 
 class CommandError(ValueError):
@@ -105,10 +106,10 @@ def parse_line(line: str) -> Command | None:
     name, args = (words[0].lower(), words[1:]) if words else ("", [])
     if name == "mode":
         if not args:
-            raise CommandError(f"/mode: name a mode ({', '.join(MODE_NAMES)})")
+            raise CommandError(f"/mode: name a mode ({', '.join(MODE_CHOICES)})")
         mode = args[0].lower()
-        if mode not in MODE_NAMES:
-            raise CommandError(f"/mode: unknown cache mode {args[0]!r} (choose from {', '.join(MODE_NAMES)})")
+        if mode not in MODE_CHOICES:
+            raise CommandError(f"/mode: unknown cache mode {args[0]!r} (choose from {', '.join(MODE_CHOICES)})")
         raw = _pairs(args[1:], CACHE_KEYS, "/mode")
         changes = {k: _number(k, v, True) for k, v in raw.items()}
         return Command("mode", mode=mode, changes=changes)

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+# The one list of each [cpu] choice lives in config (MLX-free, read by the CLI too).
+from chatapp.config import DENSE_WEIGHT_MODES, KERNEL_MODES, NUMERICS  # noqa: E402
+
 from .params import activation_dtype
 from .qlinear import (
     NUMPY_MIN_ELEMENTS,
@@ -34,10 +37,6 @@ from .qlinear import (
     CpuQuantizedEmbedding,
     CpuQuantizedLinear,
 )
-
-DENSE_WEIGHT_MODES = ("auto", "on", "off")
-KERNEL_MODES = ("auto", "off")
-from chatapp.config import NUMERICS  # noqa: E402  (the one list of cpu.numerics values)
 
 KERNEL_MAX_TOKENS = 4  # packed-weight products up to this many tokens; dequantise + gemm above
 

@@ -10,6 +10,9 @@ import argparse
 import importlib
 import sys
 
+from chatapp.errors import SetupError
+from chatapp.model.modelfiles import ModelLoadError  # MLX-free: safe before the BLAS preload
+
 BENCHES = {
     "cache": "chatapp.bench.cache_bench",
     "turns": "chatapp.bench.turns_bench",
@@ -43,8 +46,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         return modules[args.bench].run(args)
-    except Exception as e:  # a model that does not load is one line, as in the app (exit 2)
-        if type(e).__name__ not in ("ModelLoadError", "SetupError"):
-            raise
+    except (ModelLoadError, SetupError) as e:  # a model that does not load is one line, as in the app (exit 2)
         print(f"chatapp bench {args.bench}: error: {e}", file=sys.stderr)
         return 2

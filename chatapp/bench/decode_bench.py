@@ -63,12 +63,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_list
+from cache.settings import MODES
+from chatapp.bench.report import BenchReport, add_cache_arguments, cache_knobs, emit, int_list, line_plot, mode_list
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit")
 BIG = "llama2-7b-geometry"
 TINY = "tiny"
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
 MLX_LM = "mlx-lm"
 NO_GAUGES = "prealloc, gauges off"
 
@@ -93,13 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--big-tokens", type=int, default=4, help=f"--tokens for {BIG} (default 4)")
     p.add_argument("--big-repeats", type=int, default=4, help=f"--repeats for {BIG} (default 4)")
     p.add_argument("--big-layers", type=int, default=2, help=f"layers of {BIG} (default 2)")
-    p.add_argument("--window", type=int, default=1024, help="window of the window modes (default 1024)")
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--max-kv-tokens", type=int, default=2048, help="window-quant budget (default 2048)")
-    p.add_argument("--evict-chunk", type=int, default=256)
-    p.add_argument("--quant-start", type=int, default=512)
-    p.add_argument("--kv-bits", type=int, default=8)
-    p.add_argument("--kv-group-size", type=int, default=64)
+    add_cache_arguments(p, max_kv_tokens=2048)  # a window-quant budget the 4,096 context runs past
     p.add_argument("--seed", type=int, default=0)
 
 
@@ -156,9 +150,7 @@ def load_peer_model(spec: str, big_layers: int = 2, seed: int = 0) -> dict[str, 
 def settings_for(args, mode: str):
     from cache import CacheSettings
 
-    return CacheSettings(mode=mode, sinks=args.sinks, window=args.window, evict_chunk=args.evict_chunk,
-                         max_kv_tokens=args.max_kv_tokens, quant_start=args.quant_start,
-                         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+    return CacheSettings(mode=mode, **cache_knobs(args))
 
 
 def synthetic_kv(geom, context: int, seed: int) -> list[tuple[Any, Any]]:

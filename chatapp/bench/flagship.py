@@ -70,11 +70,6 @@ class Geometry:
             "quantization": {"group_size": self.group_size, "bits": self.bits},
         }
 
-    def quantised_weights(self) -> int:
-        """Elements in the quantised matrices (every linear layer and the output head)."""
-        per_layer = sum(self.size(o) * self.size(i) for o, i in LAYER_TENSORS.values())
-        return self.n_layers * per_layer + self.vocab_size * self.dim
-
 
 LLAMA2_7B = Geometry()
 

@@ -30,12 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cache.settings import MODES
 from chatapp.bench.common import fast_path
-from chatapp.bench.report import BenchReport, emit, line_plot, mode_list
+from chatapp.bench.report import BenchReport, add_cache_arguments, cache_knobs, emit, line_plot, mode_list
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
 DEFAULT_MODEL = str(SHARED / "stories260K")
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
 OPENINGS = [
     "Once upon a time,",
     "One day, a little boy named Tim",
@@ -84,13 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-cpp", action="store_true",
                    help="also score the same tokens with llama.cpp (llama_cpp, logits of every position) when "
                         "--model is a GGUF file and llama_cpp is importable")
-    p.add_argument("--window", type=int, default=1024)
-    p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--max-kv-tokens", type=int, default=4096)
-    p.add_argument("--evict-chunk", type=int, default=256)
-    p.add_argument("--quant-start", type=int, default=512)
-    p.add_argument("--kv-bits", type=int, default=8)
-    p.add_argument("--kv-group-size", type=int, default=64)
+    add_cache_arguments(p)
     p.add_argument("--budgets", type=budget_list, default=[],
                    help="comma list of token budgets B: adds rows window@B (sinks + window = B) and scored@B "
                         "(max_kv_tokens = B, recent window min(--window, B/4)), to compare at equal KV bytes")
@@ -180,9 +174,7 @@ def row_specs(args) -> list[tuple[str, str, dict]]:
 def settings_for(args, mode: str, geom, **overrides):
     from cache import CacheSettings
 
-    knobs = dict(sinks=args.sinks, window=args.window, evict_chunk=args.evict_chunk,
-                 max_kv_tokens=args.max_kv_tokens, quant_start=args.quant_start, kv_bits=args.kv_bits,
-                 kv_group_size=args.kv_group_size)
+    knobs = cache_knobs(args)
     knobs.update(overrides)
     if knobs["max_kv_tokens"] < knobs["sinks"] + knobs["window"]:
         knobs["max_kv_tokens"] = knobs["sinks"] + knobs["window"]

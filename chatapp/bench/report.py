@@ -136,3 +136,25 @@ def mode_list(text: str) -> list[str]:
     if bad or not out:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
     return out
+
+
+# ---- the cache flags of the benches that build CacheSettings from the command line ------------------
+CACHE_FLAGS = ("window", "sinks", "max_kv_tokens", "evict_chunk", "quant_start", "kv_bits", "kv_group_size")
+
+
+def add_cache_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """``--window --sinks --max-kv-tokens --evict-chunk --quant-start --kv-bits --kv-group-size``,
+    defaulting to the app's ``[cache]`` settings (``chatapp.config.CacheConfig``) unless a bench
+    passes its own (``max_kv_tokens=2048``); :func:`cache_knobs` reads them back."""
+    from chatapp.config import CacheConfig
+
+    base = CacheConfig()
+    for name in CACHE_FLAGS:
+        default = defaults.get(name, getattr(base, name))
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
+                       help=f"cache.{name} (default {default})")
+
+
+def cache_knobs(args) -> dict[str, int]:
+    """The values of :func:`add_cache_arguments`'s flags, as CacheSettings keywords."""
+    return {name: getattr(args, name) for name in CACHE_FLAGS}

@@ -236,7 +236,6 @@ class DistributedJob:
             loaded, self.info = load_shard(self.config, self.group, hello.get("strategy"))
             # Ctrl-C on any rank stops the reply on every rank at the same token.
             self.session = session_from_config(self.config, loaded, cancel=SharedCancel(self.channel))
-            self.chat = _in_memory_chat(self.session, loaded, self.config.model.id)
         except ShardError as e:
             error = str(e)
         except (SetupError, ModelLoadError, CacheConfigError) as e:
@@ -280,7 +279,7 @@ class DistributedJob:
             s.set_generation(seed=seed)
             # Every rank runs the message as rank 0 validated it (no admission: the ranks must
             # not diverge); only rank 0 prints.
-            result = self.chat.turn(Send(cmd.text), self._show, lambda notes: None, admit=False)
+            result = self._chat().turn(Send(cmd.text), self._show, lambda notes: None, admit=False)
             shown = result.done
         else:
             try:
@@ -288,6 +287,15 @@ class DistributedJob:
             except CacheConfigError as e:  # validated on rank 0 first; every rank fails the same way
                 shown = e
         return shown, self._sync()
+
+    def _chat(self):
+        """The session in a PersistentChat with no store: nothing is saved (a distributed run keeps
+        its conversation in memory), but the turns run through the one turn driver."""
+        from chatapp.store.chat import ModelIdentity, PersistentChat
+
+        if self.chat is None or self.chat.session is not self.session:
+            self.chat = PersistentChat(self.session, ModelIdentity(self.session.model_id, self.config.model.id, ""))
+        return self.chat
 
     def _show(self, ev) -> None:
         from chatapp.engine.events import TokenEvent, TurnDone
@@ -476,14 +484,6 @@ class _Lines:
             return self.q.get(timeout=timeout)
         except queue.Empty:
             return self.WAIT
-
-
-def _in_memory_chat(session, loaded, spec: str):
-    """The session in a PersistentChat with no store: nothing is saved (a distributed run keeps
-    its conversation in memory), but the turns run through the one turn driver."""
-    from chatapp.store.chat import ModelIdentity, PersistentChat
-
-    return PersistentChat(session, ModelIdentity.from_loaded(loaded, spec), None)
 
 
 def _env_float(name: str, default: float) -> float:

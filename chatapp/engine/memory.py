@@ -31,19 +31,6 @@ from .stats import MemoryGauges
 MiB = 1 << 20
 
 
-def _mx_function(name: str):
-    """``mx.<name>``, or the older ``mx.metal.<name>`` (mlx < 0.24 had the gauges there only)."""
-    fn = getattr(mx, name, None)
-    if fn is None:
-        fn = getattr(getattr(mx, "metal", None), name, None)
-    return fn
-
-
-_ACTIVE = _mx_function("get_active_memory")
-_CACHE = _mx_function("get_cache_memory")
-_PEAK = _mx_function("get_peak_memory")
-
-
 def memory_total() -> int:
     """Bytes of memory the device can use: MLX's figure on GPUs, physical RAM on the CPU backend."""
     info = mx.device_info() if hasattr(mx, "device_info") else {}
@@ -64,9 +51,9 @@ def _device_total() -> int:
 def read_gauges(kv_held: int = 0, tokens: int = 0) -> MemoryGauges:
     """Read the allocator's gauges now (three counter reads: cheap enough for every few tokens)."""
     return MemoryGauges(
-        active=int(_ACTIVE()) if _ACTIVE else 0,
-        cache=int(_CACHE()) if _CACHE else 0,
-        peak=int(_PEAK()) if _PEAK else 0,
+        active=int(mx.get_active_memory()),
+        cache=int(mx.get_cache_memory()),
+        peak=int(mx.get_peak_memory()),
         total=_device_total(),
         kv_held=kv_held,
         tokens=tokens,

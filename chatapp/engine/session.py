@@ -25,6 +25,7 @@ from cache import (
     model_geometry,
     total_usage,
 )
+from cache.settings import AUTO
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
@@ -35,7 +36,6 @@ from .memory import memory_total, read_gauges
 from .prefix import PrefixSource, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
-AUTO = "auto"
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
 LIVE_VIEW_EVERY = 8  # tokens between cache measurements while a reply streams
 

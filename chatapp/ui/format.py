@@ -16,11 +16,11 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from chatapp.config import CACHE_MODES
+from cache.settings import MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
-MODES = list(CACHE_MODES)
+MODES = list(MODE_CHOICES)  # the modes the UI offers, in the order F3 cycles them
 MODE_HELP = {
     "auto": "prealloc while short, window-quant (or window) once the conversation is long",
     "concat": "full precision; grows by concatenation (the simple reference)",
@@ -38,8 +38,6 @@ MODE_FIELDS = {
     "kv_group_size": ("quantized", "window-quant", "auto"),
     "max_kv_tokens": ("window-quant", "scored", "auto"),
 }
-KV_BITS = (4, 8)
-KV_GROUP_SIZES = (32, 64, 128)
 
 SEP = " │ "
 
@@ -375,10 +373,10 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int]
         errors["window"] = "must be >= 1"
     if "sinks" in values and values["sinks"] < 0:
         errors["sinks"] = "must be >= 0"
-    if "kv_bits" in values and values["kv_bits"] not in KV_BITS:
-        errors["kv_bits"] = "must be 4 or 8"
-    if "kv_group_size" in values and values["kv_group_size"] not in KV_GROUP_SIZES:
-        errors["kv_group_size"] = "must be 32, 64 or 128"
+    if "kv_bits" in values and values["kv_bits"] not in QUANT_BITS:
+        errors["kv_bits"] = f"must be {_one_of(QUANT_BITS)}"
+    if "kv_group_size" in values and values["kv_group_size"] not in QUANT_GROUP_SIZES:
+        errors["kv_group_size"] = f"must be {_one_of(QUANT_GROUP_SIZES)}"
     if "max_kv_tokens" in values and values["max_kv_tokens"] < 1:
         errors["max_kv_tokens"] = "must be >= 1"
     if not errors.keys() & {"window", "sinks"} and values["window"] < values["sinks"]:
@@ -387,6 +385,12 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int]
             values["max_kv_tokens"] < values["sinks"] + values["window"]:
         errors["max_kv_tokens"] = f"must be >= sinks + window ({values['sinks'] + values['window']})"
     return values, errors
+
+
+def _one_of(values: tuple) -> str:
+    """(4, 8) -> "4 or 8"; (32, 64, 128) -> "32, 64 or 128"."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def next_mode(mode: str) -> str:

@@ -160,11 +160,6 @@ class AssistantMessage(ChatMessage):
             self.streamed = safe
             await self.markdown.update(safe)
 
-    async def set_text_async(self, text: str) -> None:
-        self.text = text
-        self.streamed = printable(text)
-        await self.markdown.update(self.streamed)
-
     def fail(self, message: str) -> None:
         self.finished = True
         self.set_tag("streaming", False)
