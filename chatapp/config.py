@@ -148,6 +148,7 @@ class _Rule:
     """How one setting is checked (and parsed from command-line text)."""
 
     description = ""
+    bounds = ""  # the range alone (">= 0", "> 0 and <= 1"), for messages that name the type elsewhere
 
     def check(self, value: Any) -> Any:
         """Return the normalised value or raise :class:`_Invalid`."""
@@ -204,7 +205,8 @@ class _Int(_Rule):
         if multiple_of is not None:
             self.description = f"must be a positive integer multiple of {multiple_of}"
         elif minimum is not None:
-            self.description = f"must be an integer >= {minimum}"
+            self.bounds = f">= {minimum}"
+            self.description = f"must be an integer {self.bounds}"
         else:
             self.description = "must be an integer"
 
@@ -232,7 +234,8 @@ class _Float(_Rule):
             bounds.append(f"{'>' if lo_open else '>='} {_num(lo)}")
         if hi is not None:
             bounds.append(f"{'<' if hi_open else '<='} {_num(hi)}")
-        self.description = "must be a number" + (" " + " and ".join(bounds) if bounds else "")
+        self.bounds = " and ".join(bounds)
+        self.description = "must be a number" + (" " + self.bounds if bounds else "")
 
     def check(self, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -275,6 +278,7 @@ class _Seed(_Rule):
     """An integer seed; -1 (or None) means a random seed and is stored as None."""
 
     description = "must be an integer >= 0, or -1 for a random seed"
+    bounds = ">= 0, or -1 for a random seed"
 
     def check(self, value: Any) -> int | None:
         if value is None or (_is_int(value) and value == -1):
@@ -406,6 +410,21 @@ _RULES: dict[str, _Rule] = {
     for section, cls in SECTIONS.items()
     for f in fields(cls)
 }
+
+
+def valid_setting(dotted: str, value: Any) -> bool:
+    """Whether ``value`` passes the rule of setting ``dotted`` (``"sampling.temp"``): the one place
+    each rule is written, also used by the stdin ``/set`` command."""
+    try:
+        _RULES[dotted].check(value)
+    except _Invalid:
+        return False
+    return True
+
+
+def setting_bounds(dotted: str) -> str:
+    """The range the rule of ``dotted`` allows, as a phrase (``"> 0 and <= 1"``)."""
+    return _RULES[dotted].bounds
 
 
 def setting_keys() -> list[str]:

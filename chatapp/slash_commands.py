@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cache.settings import MODE_CHOICES
+from chatapp.config import setting_bounds, valid_setting
 
 CACHE_KEYS = ("window", "sinks", "evict_chunk", "kv_bits", "kv_group_size", "max_kv_tokens",
               "quant_start", "chunk_size")
@@ -70,21 +71,8 @@ def _check_sampling(changes: dict[str, str]) -> dict[str, Any]:
     for key, raw in changes.items():
         integer = key in ("top_k", "max_tokens", "seed")
         v = _number(key, raw, integer)
-        ok = {
-            "temp": v >= 0,
-            "top_p": 0 < v <= 1,
-            "top_k": v >= 0,
-            "min_p": 0 <= v < 1,
-            "max_tokens": v >= 1,
-            "seed": v >= -1,
-            "repetition_penalty": v >= 1.0,
-        }[key]
-        if not ok:
-            rule = {
-                "temp": ">= 0", "top_p": "> 0 and <= 1", "top_k": ">= 0", "min_p": ">= 0 and < 1",
-                "max_tokens": ">= 1", "seed": ">= 0, or -1 for random", "repetition_penalty": ">= 1.0",
-            }[key]
-            raise CommandError(f"{key}: must be {rule} (got {raw})")
+        if not valid_setting(f"sampling.{key}", v):  # the [sampling] rules of config.py
+            raise CommandError(f"{key}: must be {setting_bounds(f'sampling.{key}')} (got {raw})")
         out[key] = v
     return out
 
