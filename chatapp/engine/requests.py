@@ -97,4 +97,3 @@ class Quit:
 
 Request = (Send | Regenerate | EditLast | SwitchMode | Compare | NewChat | Describe | OpenConversation
            | RenameConversation | DeleteConversation | Quit)
-REPLY_REQUESTS = (Send, Regenerate, EditLast)  # the requests that stream a reply

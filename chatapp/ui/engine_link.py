@@ -20,7 +20,7 @@ from textual import on
 from textual.app import App
 
 from chatapp.engine.events import SessionInfo
-from chatapp.engine.requests import REPLY_REQUESTS, Compare, Describe, Request, Send, SwitchMode
+from chatapp.engine.requests import Compare, Describe, EditLast, Regenerate, Request, Send, SwitchMode
 from chatapp.engine.stats import TurnStats
 
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
@@ -226,13 +226,13 @@ class EngineLinkApp(App[int]):
 
     async def _idle(self) -> None:
         request = self.bridge.idle()
-        if isinstance(request, REPLY_REQUESTS) and self._reply is not None:
-            # The command ended without a TurnDone: it failed (the Failed event said why).
-            await self._flush_stream()
-            self._reply.fail("")
-            self._reply = None
-            self.live_stats = None
         match request:
+            case Send() | Regenerate() | EditLast() if self._reply is not None:
+                # The request ended without a TurnDone: it failed (the Failed event said why).
+                await self._flush_stream()
+                self._reply.fail("")
+                self._reply = None
+                self.live_stats = None
             case Compare() if self.compare_screen is not None:
                 self.compare_screen.finish()
             case SwitchMode():
