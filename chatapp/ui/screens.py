@@ -332,6 +332,7 @@ class SessionsScreen(ModalScreen):
         Binding("enter,o", "open", "Open", priority=True),
         Binding("r", "rename", "Rename"),
         Binding("d,delete", "delete", "Delete"),
+        Binding("slash,s,ctrl+f", "search", "Search"),
     ]
 
     def __init__(self, load: Callable[[], tuple[list[Any], str]], on_open: Callable[[int], Any],
@@ -350,7 +351,7 @@ class SessionsScreen(ModalScreen):
             yield Static(Text("Saved conversations", style="bold"), markup=False)
             yield DataTable(id="sessions-table", zebra_stripes=True, cursor_type="row")
             yield Static("", id="sessions-status", markup=False)
-            yield Static(Text("Enter opens (resumes) · r renames · d deletes · Esc closes", style="dim"),
+            yield Static(Text("Enter opens (resumes) · / searches · r renames · d deletes · Esc closes", style="dim"),
                          classes="dialog-hint", markup=False)
 
     def on_mount(self) -> None:
@@ -401,6 +402,11 @@ class SessionsScreen(ModalScreen):
             return
         self.dismiss()
         self.on_open(c.id)
+
+    def action_search(self) -> None:
+        from .search_screen import open_search
+
+        open_search(self, self.app.bridge.data_dir(), self.on_open)
 
     def action_rename(self) -> None:
         c = self.selected()
