@@ -16,10 +16,7 @@ from __future__ import annotations
 import re
 import sqlite3
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .db import ChatStore
+from typing import Any
 
 INDEX_SQL = [
     "CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5("
@@ -103,9 +100,10 @@ def matching_line(content: str, terms: list[str], width: int = LINE_CHARS) -> st
     return ("…" if start else "") + cut + "…"
 
 
-def search(store: "ChatStore", text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]:
+def search(store: Any, text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]:
     """Messages of every saved conversation that hold every word of ``text``, best match first
-    (FTS5's bm25), then the latest. Raises SearchError for an empty text."""
+    (FTS5's bm25), then the latest. ``store``: an open db.ChatStore (not imported: db imports this
+    module). Raises SearchError for an empty text."""
     match = fts_query(text)
     terms = [w.strip('"*') or w for w in words(text)]
     conn = store._conn

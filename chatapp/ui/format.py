@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -392,3 +393,12 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int]
 def next_mode(mode: str) -> str:
     i = MODES.index(mode) if mode in MODES else -1
     return MODES[(i + 1) % len(MODES)]
+
+
+def fmt_when(ts: float, now: float | None = None) -> str:
+    """When a conversation was last updated: the time today, else the date and time."""
+    now = time.time() if now is None else now
+    lt = time.localtime(ts)
+    if time.localtime(now)[:3] == lt[:3]:
+        return time.strftime("today %H:%M", lt)
+    return time.strftime("%Y-%m-%d %H:%M", lt)

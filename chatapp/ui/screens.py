@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 from rich.table import Table
@@ -16,7 +15,17 @@ from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select
 
 from chatapp.textsafe import printable
 
-from .format import MODE_FIELDS, MODE_HELP, MODES, fmt_rate, fmt_seconds_ms, hbar, model_label, validate_mode_fields
+from .format import (
+    MODE_FIELDS,
+    MODE_HELP,
+    MODES,
+    fmt_rate,
+    fmt_seconds_ms,
+    fmt_when,
+    hbar,
+    model_label,
+    validate_mode_fields,
+)
 
 #: (key, what it does) - the help screen and docs/tui.md list these.
 KEYS: list[tuple[str, str]] = [
@@ -307,15 +316,6 @@ class CompareScreen(ModalScreen):
                 out.append(" " + fmt(v) + "\n")
         out.rstrip()
         return out
-
-
-def fmt_when(ts: float, now: float | None = None) -> str:
-    """When a conversation was last updated: the time today, else the date and time."""
-    now = time.time() if now is None else now
-    lt = time.localtime(ts)
-    if time.localtime(now)[:3] == lt[:3]:
-        return time.strftime("today %H:%M", lt)
-    return time.strftime("%Y-%m-%d %H:%M", lt)
 
 
 class SessionsScreen(ModalScreen):

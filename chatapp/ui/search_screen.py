@@ -20,7 +20,7 @@ from textual.widgets import DataTable, Input, Static
 
 from chatapp.textsafe import printable
 
-from .screens import fmt_when
+from .format import fmt_when
 
 ROLE_NAMES = {"user": "you", "assistant": "assistant", "system": "system"}
 
