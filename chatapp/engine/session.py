@@ -28,6 +28,7 @@ from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
+from .cache_map import session_map
 from .events import CompareRow, PrefillProgress, SwitchReport, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher
 from .memory import memory_total, read_gauges
@@ -74,6 +75,7 @@ class Session:
         # True while the caches hold every token as a full-precision prefill from empty would
         # (no lossy conversion since they were filled); the prefix store only keeps such K/V.
         self.kv_exact = True
+        self.restored = 0  # leading cached tokens a restore (prefix store, snapshot) put in (cache_map)
         self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
         self.gauges = True  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
         # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
@@ -127,7 +129,7 @@ class Session:
         self.kv_exact = self.kv_exact and not conv.lossy
         if conv.action == "reprefill":
             tokens, self.cached = self.cached, []
-            self.kv_exact = True
+            self.kv_exact, self.restored = True, 0
             if tokens:
                 for _ in self._prefill(tokens, TurnStats(), step=self._prefill_step()):
                     pass
@@ -170,7 +172,7 @@ class Session:
         self._reset_caches()
 
     def _reset_caches(self) -> None:
-        self.cached = []
+        self.cached, self.restored = [], 0
         self.caches = make_caches(self.model, self.settings, self.geometry)
         self.kv_exact = True
 
@@ -238,6 +240,7 @@ class Session:
             for c in self.caches:
                 c.trim(drop)
             del self.cached[common:]
+            self.restored = min(self.restored, common)
         return common
 
     def _prefill(self, tokens: list[int], stats: TurnStats, step: int):
@@ -415,7 +418,7 @@ class Session:
         re-prefilling), and returns that report; otherwise None.
         """
         self.caches, self.cached, self.settings = caches, list(cached), settings
-        self.kv_exact = exact
+        self.kv_exact, self.restored = exact, len(cached)
         if self.requested_mode == AUTO:
             fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
         else:
@@ -444,9 +447,10 @@ class Session:
         usage = total_usage(self.caches)
         evicted = self.caches[0].evicted
         first_visible = self._first_visible if not scan_messages else 0
+        starts, rows = session_map(self) if scan_messages else ([], [])
         if evicted and scan_messages:
             limit = (self.settings.sinks if self.settings.evicts else 0) + evicted
-            starts = self.format.message_starts(self.conversation) + [len(self.cached)]
+            starts = starts + [len(self.cached)]
             first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
         self._first_visible = first_visible
         return CacheView(
@@ -457,7 +461,7 @@ class Session:
             memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
-            attention_sparsity=self._attention_sparsity(),
+            attention_sparsity=self._attention_sparsity(), messages=rows,
         )
 
     def _attention_sparsity(self) -> float | None:

@@ -44,6 +44,7 @@ from .bridge import (
     TranscriptLoaded,
 )
 from .format import MODES, freeze, freeze_cache, freeze_memory, live_cache, next_mode, status_items
+from .markers import CacheNotice, EvictionWatch, apply_markers
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import (
     AssistantMessage,
@@ -134,6 +135,7 @@ class ChatApp(App[int]):
         self._pending_text = ""
         self._stream_lock = None
         self._seen_notices: set[str] = set()
+        self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -253,6 +255,7 @@ class ChatApp(App[int]):
         self.requested_mode = info.requested_mode
         self.cache_view = info.cache
         self._mark_evicted(info.cache.first_visible_message)
+        self._cache_markers(info.cache)
         self._update_status()
         self._update_panel()
 
@@ -284,6 +287,7 @@ class ChatApp(App[int]):
         for note in stats.notices:
             self._notice(note)
         self._mark_evicted(stats.cache.first_visible_message)
+        self._cache_markers(stats.cache)
         self._update_status()
         self._update_panel()
 
@@ -342,6 +346,7 @@ class ChatApp(App[int]):
         self.conv_steps = []
         self.conv_memory = []
         self.last_stats = None
+        self.eviction_watch.reset()
         for i, (role, content, interrupted) in enumerate(ev.messages):
             cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
             widget = cls(content, i)
@@ -428,6 +433,7 @@ class ChatApp(App[int]):
 
     async def _clear_conversation(self) -> None:
         self.editing = False
+        self.eviction_watch.reset()
         await self.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
@@ -488,6 +494,14 @@ class ChatApp(App[int]):
             if self.entries[i].role == "user":
                 return i
         return None
+
+    def _cache_markers(self, cache: CacheView) -> None:
+        """What the KV cache holds of each message (ui/markers.py); the first-eviction notice."""
+        apply_markers(self.entries, cache.messages)
+        line = self.eviction_watch.check(cache.messages, [e.role for e in self.entries], cache,
+                                         self.info.effective if self.info else {})
+        if line:
+            self.query_one(ChatView).mount(CacheNotice(line, markup=False))
 
     def _mark_evicted(self, first_visible: int) -> None:
         for i, entry in enumerate(self.entries):

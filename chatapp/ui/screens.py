@@ -26,6 +26,7 @@ from .format import (
     model_label,
     validate_mode_fields,
 )
+from .markers import legend as markers_legend
 
 #: (key, what it does) - the help screen and docs/tui.md list these.
 KEYS: list[tuple[str, str]] = [
@@ -100,6 +101,9 @@ class HelpScreen(ModalScreen):
             yield Static(Text("Keys", style="bold"), markup=False)
             yield Static(keys, markup=False)
             yield Static(note, markup=False, id="help-note")
+            yield Static(Text("Cache markers (the right edge of each message; its header says it too)",
+                              style="bold"), markup=False, id="help-markers-title")
+            yield Static(markers_legend(), markup=False, id="help-markers")
             yield Static(Text("Esc closes", style="dim"), classes="dialog-hint", markup=False)
 
 
