@@ -43,6 +43,7 @@ from .bridge import (
     StartupFailed,
     TranscriptLoaded,
 )
+from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
 from .format import MODES, freeze, freeze_cache, freeze_memory, live_cache, next_mode, status_items
 from .markers import CacheNotice, EvictionWatch, apply_markers
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
@@ -72,7 +73,7 @@ class Entry:
     widget: ChatMessage | None = None
 
 
-class ChatApp(App[int]):
+class ChatApp(ComfortActions, App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "chatapp"
     ENABLE_COMMAND_PALETTE = True
@@ -93,6 +94,7 @@ class ChatApp(App[int]):
         Binding("f6", "show_config", "Config"),
         Binding("f7", "sessions", "Sessions", show=False),
         Binding("ctrl+p", "command_palette", "Palette", show=False),
+        *COMFORT_BINDINGS,  # copy, export, system prompt, switch model (ui/comforts.py)
     ]
 
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
@@ -781,7 +783,7 @@ class ChatApp(App[int]):
     # Actions of the main screen: off while a dialog (or the loading screen) is on top, so that,
     # say, Ctrl+N in the mode dialog does not start a new chat behind it.
     MAIN_ACTIONS = frozenset({"cancel", "new_chat", "regenerate", "edit_last", "clear", "toggle_panel",
-                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"})
+                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"}) | COMFORT_ACTIONS
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_ACTIONS and len(self.screen_stack) > 1:
@@ -811,6 +813,7 @@ class ChatApp(App[int]):
                             self.action_show_config)
         yield SystemCommand("Saved conversations", "F7: open (resume), rename or delete a saved conversation",
                             self.action_sessions)
+        yield from self.comfort_commands()
         yield SystemCommand("Help", "F1: keys and gauges", self.action_help)
 
 

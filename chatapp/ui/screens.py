@@ -15,6 +15,8 @@ from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select
 
 from chatapp.textsafe import printable
 
+from .clipboard import OSC52_NOTE
+from .comforts import COMFORT_KEYS
 from .format import (
     MODE_FIELDS,
     MODE_HELP,
@@ -44,7 +46,7 @@ KEYS: list[tuple[str, str]] = [
     ("F4", "cache-mode dialog (mode and settings)"),
     ("F5", "compare cache modes on the last turn"),
     ("F6", "effective configuration and where each value came from"),
-    ("F7", "saved conversations: open (resume), rename, delete"),
+    ("F7", "saved conversations: open (resume), search (/), rename, delete"),
     ("F1 / ?", "this help"),
     ("Ctrl+P", "command palette (every action, searchable)"),
     ("Ctrl+Q", "quit"),
@@ -93,7 +95,7 @@ class HelpScreen(ModalScreen):
         keys = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
         keys.add_column(style="bold", no_wrap=True)
         keys.add_column(ratio=1)
-        for key, what in KEYS:
+        for key, what in KEYS + COMFORT_KEYS:
             keys.add_row(key, what)
         note = Text("While a reply streams, new messages are queued and cache-mode switches apply when it "
                     "ends. docs/tui.md explains every gauge.", style="dim")
@@ -101,6 +103,7 @@ class HelpScreen(ModalScreen):
             yield Static(Text("Keys", style="bold"), markup=False)
             yield Static(keys, markup=False)
             yield Static(note, markup=False, id="help-note")
+            yield Static(Text(OSC52_NOTE, style="dim"), markup=False, id="help-osc52")
             yield Static(Text("Cache markers (the right edge of each message; its header says it too)",
                               style="bold"), markup=False, id="help-markers-title")
             yield Static(markers_legend(), markup=False, id="help-markers")
