@@ -56,6 +56,7 @@ class EngineWorker:
         choice = getattr(s, "format_choice", None)
         notes = ([choice.line()] if choice is not None else []) + list(s.notices)
         self._emit(Loaded(getattr(s, "model_id", ""), notes))
+        del s  # the session lives in self.session only: a model switch replaces it and frees the old one
         while True:
             command, args = self._queue.get()
             if command == "quit":

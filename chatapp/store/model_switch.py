@@ -4,7 +4,8 @@ The new model loads while the old one stays in use: a model that does not load l
 everything as it was (the error is one line). Once it loads, the conversation is copied onto
 a session of the new model and prefilled (engine/model_switch.py), the stored conversation
 records the new model (so resuming it loads that one), and the old session is dropped and its
-memory released; the result says what the switch cost and what was freed.
+memory released by the next engine command (:func:`release_old_model`); the results say what the
+switch cost and what was freed.
 """
 
 from __future__ import annotations
@@ -26,17 +27,29 @@ class ModelSwitch:
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     active_before: int = 0  # MLX active bytes before the switch (the old model loaded)
-    active_after: int = 0  # after the old model was released
+    active_after: int = 0  # after the old model was released (release_line, once nothing holds it)
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         if not self.ok:
             return self.error
-        mib = lambda n: f"{n / MiB:.1f} MiB"  # noqa: E731
         cost = (f"re-prefilled {self.prefill_tokens} tokens in {self.prefill_seconds:.2f} s"
                 if self.prefill_tokens else "nothing to re-prefill")
-        return (f"switched to {self.model_id}: loaded in {self.load_seconds:.1f} s, {cost}; MLX active memory "
-                f"{mib(self.active_before)} before, {mib(self.active_after)} after the old model was released")
+        return f"switched to {self.model_id}: loaded in {self.load_seconds:.1f} s, {cost}"
+
+    def release_line(self) -> str:
+        mib = lambda n: f"{n / MiB:.1f} MiB"  # noqa: E731
+        return (f"old model released: MLX active memory {mib(self.active_before)} with it (before the switch), "
+                f"{mib(self.active_after)} now")
+
+
+def release_old_model(result: ModelSwitch) -> ModelSwitch:
+    """Free the old model's memory; call it from a later engine command than the switch (the
+    command that switched still holds the old session in its frame)."""
+    from chatapp.engine.model_switch import release_memory
+
+    result.active_after = release_memory()
+    return result
 
 
 def switch_model(config, chat: PersistentChat, spec: str, worker) -> tuple[ModelSwitch, PersistentChat, object]:
@@ -44,7 +57,7 @@ def switch_model(config, chat: PersistentChat, spec: str, worker) -> tuple[Model
 
     Returns (result, the chat to use from now on, the config that loaded it). On failure the
     old chat and config come back unchanged. ``worker`` (the engine worker) gets the new session."""
-    from chatapp.engine.model_switch import active_memory, adopt_conversation, release_memory
+    from chatapp.engine.model_switch import active_memory, adopt_conversation
     from chatapp.engine.setup import load_engine, session_from_config
 
     spec = spec.strip()
@@ -81,9 +94,8 @@ def switch_model(config, chat: PersistentChat, spec: str, worker) -> tuple[Model
     worker.session = session
     chat.session = None  # the old session (and through it the old model) is referenced nowhere now
     del old, loaded
-    result.active_after = release_memory()
     result.ok = True
     return result, new_chat, new_config
 
 
-__all__ = ["ModelSwitch", "switch_model"]
+__all__ = ["ModelSwitch", "release_old_model", "switch_model"]

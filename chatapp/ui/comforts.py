@@ -246,12 +246,20 @@ class ComfortActions:
         for note in result.notes:
             self._notice(note)
         self._update_status()
+        from chatapp.store.model_switch import release_old_model
+
+        # A command of its own: the one that switched still held the old session in its frame.
+        self.bridge.submit("call", lambda s: self.post_message(ComfortResult("released", release_old_model(result))))
+        self._track("call")
 
     async def on_comfort_result(self, message: ComfortResult) -> None:
         if message.kind == "system":
             await self._system_changed(message.result)
         elif message.kind == "model":
             await self._model_switched(message.result)
+        elif message.kind == "released":
+            self.store_notes.append(("note", message.result.release_line()))
+            self.notify(message.result.release_line(), title="model switched", markup=False, timeout=12)
 
     # ---- the command palette ----------------------------------------------------------------------
     def comfort_commands(self) -> Iterable[SystemCommand]:
