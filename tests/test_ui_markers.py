@@ -68,6 +68,8 @@ async def test_markers_follow_the_cache_and_the_first_eviction_is_noted_once():
 
         await pilot.press("f1")
         assert isinstance(app.screen, HelpScreen)
+        app.screen.query_one("#help-box").scroll_end(animate=False)  # the legend is below the keys
+        await pilot.pause()
         help_text = await screen_text(pilot)
         assert "Cache markers" in help_text and "partly evicted" in help_text and "not yet prefilled" in help_text
 
@@ -84,3 +86,27 @@ def test_markers_snapshot(snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(100, 48), run_before=run_before)
+
+
+@async_test
+async def test_a_resumed_conversation_is_marked_restored(stories4_path, tmp_path):
+    from test_ui import make_config
+
+    from chatapp.ui.app import ChatApp
+
+    config = make_config(stories4_path, **{"data.dir": str(tmp_path)})
+    first = ChatApp(config, freeze_stats=True)
+    async with first.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Once upon a time")
+        assert states(first) == ["held", "held"]
+        await pilot.press("ctrl+q")
+    first.bridge.worker.join(30)
+    app = ChatApp(config, freeze_stats=True, resume="latest")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await wait_until(pilot, lambda: len(app.entries) == 2 and not app.bridge.busy, what="the resume")
+        await wait_until(pilot, lambda: states(app) == ["restored", "restored"], what="the markers")
+        assert "kv restored" in await screen_text(pilot)
+        await turn(pilot, "The cat")
+        assert states(app) == ["restored", "restored", "held", "held"]

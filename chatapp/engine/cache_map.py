@@ -74,7 +74,7 @@ class MessageCache:
             return "partly evicted"
         if self.quant:
             return "quantised"
-        if self.restored and self.restored >= self.full:
+        if self.restored and 2 * self.restored >= self.full:  # most of it (a turn re-runs the last token or two)
             return "restored"
         return "held"
 
