@@ -79,6 +79,25 @@ def test_index_follows_inserts_updates_and_deletes(tmp_path):
         store._conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('integrity-check')")
 
 
+def test_every_hit_holds_the_words(tmp_path):
+    """A regression: joined in one query with the FTS table, SQLite returned messages that did
+    not match (a long conversation written turn by turn, as the app writes it)."""
+    words_ = ["honey", "rivers", "prime", "sea", "France", "bees"]
+    with ChatStore.open(tmp_path) as store:
+        cid = store.create_conversation()
+        store.replace_messages(cid, 0, [("system", "You are helpful.", "complete")])
+        for i in range(40):
+            w = words_[i % len(words_)]
+            store.replace_messages(cid, 1 + 2 * i, [("user", f"question {i} about {w}", "complete")])
+            for part in (f"a {w}", f"a {w} answer {i}"):  # the streaming reply, then the final one
+                store.put_message(cid, 2 + 2 * i, "assistant", part, "in_progress")
+            store.replace_messages(cid, 2 + 2 * i, [("assistant", f"a {w} answer {i}", "complete")])
+        found = store.search("honey")
+        assert len(found) == 14 and all("honey" in h.line for h in found)
+        assert len({(h.conversation_id, h.seq) for h in found}) == 14
+        assert len(store.search("honey", limit=3)) == 3
+
+
 @pytest.mark.parametrize("text", ['"', '*', 'AND(', '-', 'NEAR(a b)', 'a OR', '"unclosed', "col:x", "^", "(", "''"])
 def test_fts_syntax_is_searched_as_text(tmp_path, text):
     with ChatStore.open(tmp_path) as store:

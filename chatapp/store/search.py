@@ -102,7 +102,7 @@ def matching_line(content: str, terms: list[str], width: int = LINE_CHARS) -> st
 
 def search(store: Any, text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]:
     """Messages of every saved conversation that hold every word of ``text``, best match first
-    (FTS5's bm25), then the latest. ``store``: an open db.ChatStore (not imported: db imports this
+    (FTS5's bm25), then the newest message. ``store``: an open db.ChatStore (not imported: db imports this
     module). Raises SearchError for an empty text."""
     match = fts_query(text)
     terms = [w.strip('"*') or w for w in words(text)]
@@ -113,9 +113,19 @@ def search(store: Any, text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]
             "FROM messages m JOIN conversations c ON c.id = m.conversation_id ")
     with store._mutex:
         if has_index(conn):
-            rows = conn.execute(
-                head + "JOIN messages_fts f ON f.rowid = m.rowid WHERE messages_fts MATCH ? "
-                "ORDER BY bm25(messages_fts), c.updated DESC, m.seq LIMIT ?", (match, int(limit))).fetchall()
+            # The index first, on its own: joined in one query, SQLite may look the FTS table up
+            # by rowid for each message and drop the MATCH (every message then "matches").
+            ranked = conn.execute(
+                "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY bm25(messages_fts), rowid DESC "
+                "LIMIT ?", (match, int(limit))).fetchall()
+            order = {rid: i for i, (rid,) in enumerate(ranked)}
+            rows = []
+            ids = list(order)
+            for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+                part = ids[i:i + 500]
+                rows += conn.execute(head.replace("SELECT ", "SELECT m.rowid, ", 1)
+                                     + f"WHERE m.rowid IN ({','.join('?' * len(part))})", part).fetchall()
+            rows = [r[1:] for r in sorted(rows, key=lambda r: order[r[0]])]
         else:  # a schema-1 database opened read-only: no index yet
             like = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in terms)
             args = ["%" + re.sub(r"([%_\\])", r"\\\1", t) + "%" for t in terms]
