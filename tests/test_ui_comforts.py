@@ -48,7 +48,9 @@ def test_with_value_changes_one_line_only(tmp_path):
 
 
 @async_test
-async def test_copy_export_and_theme(stories4_path, tmp_path):
+async def test_copy_export_and_theme(stories4_path, tmp_path, monkeypatch):
+    # This test's own user config dir: the theme it chooses must not reach other tests' apps.
+    monkeypatch.setenv("CHATAPP_CONFIG_DIR", str(tmp_path / "config"))
     app = make_app(stories4_path)
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
@@ -80,6 +82,7 @@ async def test_copy_export_and_theme(stories4_path, tmp_path):
 
         app.theme = "nord"  # what the palette's "Change theme" does
         await pilot.pause()
+        assert user_config_path() == tmp_path / "config" / "config.toml"
         assert 'theme = "nord"' in user_config_path().read_text()
         assert app.config.ui.theme == "nord"
 
