@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chatapp",
         description="Chat with a local LLM on MLX; stays fast when the conversation gets long.",
-        epilog="Saved conversations: chatapp sessions {list,export,rename,delete,prefixes} --help. "
+        epilog="Saved conversations: chatapp sessions {list,search,export,rename,delete,prefixes} --help. "
         "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume,prefix} --help",
     )
     p.add_argument("--model", "-m", help="Hugging Face repo id, local folder or .gguf file (default from config)")

@@ -21,6 +21,10 @@ def build_sessions_parser() -> argparse.ArgumentParser:
     ex.add_argument("id", help="conversation id, or 'latest'")
     ex.add_argument("--format", choices=["markdown", "json"], default="markdown")
     ex.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    se = sub.add_parser("search", parents=[common], help="find messages in every saved conversation (full text)")
+    se.add_argument("text", nargs="+", help="words to find (all of them; the last may be the start of a word)")
+    se.add_argument("--limit", type=int, default=50, help="most matches shown (default 50)")
+    se.add_argument("--json", action="store_true", help="one JSON array instead of lines")
     rn = sub.add_parser("rename", parents=[common], help="give a conversation a new name")
     rn.add_argument("id", help="conversation id, or 'latest'")
     rn.add_argument("name", nargs="+", help="the new name")
@@ -33,7 +37,7 @@ def build_sessions_parser() -> argparse.ArgumentParser:
 
 
 def sessions_main(argv: list[str]) -> int:
-    """`chatapp sessions list|export|rename|delete|prefixes`: no model, no MLX."""
+    """`chatapp sessions list|search|export|rename|delete|prefixes`: no model, no MLX."""
     import time
 
     from .store import NotFound, StoreBusy, StoreError, export, resolve_data_dir
@@ -65,6 +69,8 @@ def sessions_main(argv: list[str]) -> int:
                     for r in rows:
                         print("  ".join(v.ljust(w) for v, w in zip(r, widths)) + "  " + r[-1])
                 return 0
+            if args.command == "search":
+                return _search_command(store, " ".join(args.text), args.limit, args.json)
             cid = store.resolve(args.id)
             if args.command == "export":
                 text = export(store, cid, args.format)
@@ -93,6 +99,35 @@ def sessions_main(argv: list[str]) -> int:
     except OSError as e:
         print(f"chatapp: error: {data_dir}: {e.strerror or e}", file=sys.stderr)
         return 2
+
+
+def _search_command(store, text: str, limit: int, as_json: bool) -> int:
+    """`chatapp sessions search TEXT`: one line per match (conversation, date, title, the matching line)."""
+    import time
+
+    from .store.search import SearchError
+    from .textsafe import printable
+
+    if limit < 1:
+        print("chatapp: error: --limit must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        hits = store.search(text, limit)
+    except SearchError as e:
+        print(f"chatapp: error: {e}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps([h.to_json() for h in hits], ensure_ascii=False, indent=2))
+        return 0
+    if not hits:
+        print(f"no saved message holds {text!r}")
+        return 0
+    who = {"user": "you", "assistant": "assistant", "system": "system"}
+    for h in hits:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(h.updated))
+        title = printable((h.title or "(untitled)").replace("\n", " "))
+        print(f"{h.conversation_id:>4}  {when}  {title}  · {who.get(h.role, h.role)}: {printable(h.line)}")
+    return 0
 
 
 def _prefixes_command(data_dir, cap_mb: int, clear: bool, as_json: bool) -> int:

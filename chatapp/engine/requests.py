@@ -89,6 +89,23 @@ class DeleteConversation:
 
 
 @dataclass(frozen=True)
+class SetSystemPrompt:
+    """Make ``text`` the conversation's system prompt ("" removes it); the next turn prefills again."""
+
+    text: str
+    kind: ClassVar[str] = "system_prompt"
+
+
+@dataclass(frozen=True)
+class SwitchModel:
+    """Load ``spec`` (a folder, a repo id, a .gguf file) and move the conversation onto it; the
+    old model stays when it does not load, and is released when it does."""
+
+    spec: str
+    kind: ClassVar[str] = "switch_model"
+
+
+@dataclass(frozen=True)
 class Quit:
     """Stop the engine thread (queued after what is already waiting)."""
 
@@ -96,4 +113,4 @@ class Quit:
 
 
 Request = (Send | Regenerate | EditLast | SwitchMode | Compare | NewChat | Describe | OpenConversation
-           | RenameConversation | DeleteConversation | Quit)
+           | RenameConversation | DeleteConversation | SetSystemPrompt | SwitchModel | Quit)

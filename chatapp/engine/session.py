@@ -27,9 +27,10 @@ from cache import (
 )
 from cache.settings import AUTO
 from chatapp.backend.qlinear import last_position_only
-from chatapp.prompt.conversation import Conversation, common_prefix
+from chatapp.prompt.conversation import Conversation, Message, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
+from .cache_map import session_map
 from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher, decode_tokens
 from .memory import memory_total, read_gauges
@@ -89,6 +90,7 @@ class Session:
         # True while the caches hold every token as a full-precision prefill from empty would
         # (no lossy conversion since they were filled); the prefix store only keeps such K/V.
         self.kv_exact = True
+        self.restored = 0  # leading cached tokens a restore (prefix store, snapshot) put in (cache_map)
         self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
         self.gauges = gauges  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
         # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
@@ -144,7 +146,7 @@ class Session:
         self.kv_exact = self.kv_exact and not conv.lossy
         if conv.action == "reprefill":
             tokens, self.cached = self.cached, []
-            self.kv_exact = True
+            self.kv_exact, self.restored = True, 0
             if tokens:
                 self.prefill(tokens)
             return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
@@ -226,6 +228,29 @@ class Session:
         left as they are: the next turn keeps what they share with it and prefills the rest."""
         self.conversation = conversation
 
+    def set_system(self, text: str) -> tuple[list[int], int]:
+        """Make ``text`` the conversation's system prompt ("" removes it) and empty the caches.
+
+        Every later token attends to the system prompt, so the caches could keep only the
+        template's first few tokens; empty caches let the next turn warm-start from the prefix
+        store when this system prompt was used before. Returns the tokens the next turn prefills
+        (none when the system prompt is all there is) and how many leading ones the old caches shared.
+        """
+        conv = self.conversation.copy()
+        msgs = conv.messages
+        if msgs and msgs[0].role == "system":
+            if text:
+                msgs[0].content = text
+            else:
+                del msgs[0]
+        elif text:
+            msgs.insert(0, Message("system", text))
+        tokens = self.format.tokens(conv, generation_prompt=False) if len(msgs) > (1 if text else 0) else []
+        kept = common_prefix(self.cached, tokens)
+        self.conversation = conv
+        self._reset_caches()
+        return tokens, kept
+
     def keep_interrupted(self, text: str, seq: int) -> None:
         """A reply abandoned mid-way (its reader stopped): keep ``text``, what was shown of it, as
         an interrupted reply at message ``seq``, unless the conversation already moved on."""
@@ -241,7 +266,7 @@ class Session:
         self.generation = dataclasses.replace(self.generation, **changes)
 
     def _reset_caches(self) -> None:
-        self.cached = []
+        self.cached, self.restored = [], 0
         self.caches = make_caches(self.model, self.settings, self.geometry)
         self.kv_exact = True
 
@@ -314,6 +339,7 @@ class Session:
             for c in self.caches:
                 c.trim(drop)
             del self.cached[common:]
+            self.restored = min(self.restored, common)
         return common
 
     def prefill(self, tokens: list[int]) -> mx.array | None:
@@ -494,6 +520,7 @@ class Session:
         re-prefilling), and returns that report; otherwise None.
         """
         self.adopt(caches, cached, settings, exact)
+        self.restored = len(cached)
         if self.requested_mode == AUTO:
             fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
         else:
@@ -549,9 +576,10 @@ class Session:
         usage = total_usage(self.caches)
         evicted = self.caches[0].evicted
         first_visible = self._first_visible if not scan_messages else 0
+        starts, rows = session_map(self) if scan_messages else ([], [])
         if evicted and scan_messages:
             limit = (self.settings.sinks if self.settings.evicts else 0) + evicted
-            starts = self.format.message_starts(self.conversation) + [len(self.cached)]
+            starts = starts + [len(self.cached)]
             first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
         self._first_visible = first_visible
         return CacheView(
@@ -562,7 +590,7 @@ class Session:
             memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
-            attention_sparsity=self._attention_sparsity(),
+            attention_sparsity=self._attention_sparsity(), messages=rows,
         )
 
     def _attention_sparsity(self) -> float | None:

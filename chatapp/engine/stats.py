@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .cache_map import MessageCache
+
 
 @dataclass
 class StepStat:
@@ -32,6 +34,8 @@ class CacheView:
     # Scored mode: share of the recent attention mass (decayed, ~200 queries) that fell on tokens
     # the policy could evict (the middle, not sinks or recent window); None for other modes.
     attention_sparsity: float | None = None
+    # What the cache holds of each message (engine/cache_map.py); empty in live views while streaming.
+    messages: list[MessageCache] = field(default_factory=list)
 
     @property
     def memory_share(self) -> float:

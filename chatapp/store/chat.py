@@ -128,6 +128,21 @@ class PersistentChat(SnapshotResume):
             prefixes.writable = self.saving  # only the lock holder writes, touches and removes blocks
             session.attach_prefixes(StoreSource(prefixes, self.namespace, lambda text: self._note("note", text)))
 
+    def moved_to(self, session, identity: ModelIdentity) -> "PersistentChat":
+        """The same conversation continued on ``session`` (another model's, already holding it):
+        the stored conversation records the new model, so resuming it loads that one. This chat
+        saves its snapshot (still valid for its own model) and lets go of its session."""
+        self.save_snapshot()
+        new = PersistentChat(session, identity, self.store, snapshot_cap_mb=self.cap_bytes // MiB,
+                             prefixes=self.prefixes)
+        new.conversation_id, new._mirror = self.conversation_id, list(self._mirror)
+        if self.conversation_id is not None and new.saving:
+            new._write(lambda: self.store.set_model(
+                self.conversation_id, model_id=identity.model_id, model_spec=identity.model_spec,
+                weights_fingerprint=identity.weights_fingerprint, prompt_format=session.format.key))
+        self.session = None  # nothing here references the old model any more
+        return new
+
     # ---- state ----------------------------------------------------------------------------------
     @property
     def saving(self) -> bool:

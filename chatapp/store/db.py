@@ -1,6 +1,6 @@
 """The transcript store: every conversation and message in one SQLite database.
 
-Schema (version 1)::
+Schema (version 2)::
 
     meta(key TEXT PRIMARY KEY, value TEXT)            -- schema_version
     conversations(id INTEGER PRIMARY KEY AUTOINCREMENT, title, model_id, model_spec,
@@ -9,6 +9,8 @@ Schema (version 1)::
              role 'system'|'user'|'assistant', content TEXT,
              status 'complete'|'in_progress'|'interrupted', created REAL, updated REAL,
              PRIMARY KEY (conversation_id, seq))
+    messages_fts                                      -- FTS5 index of messages.content (search.py),
+                                                      -- kept in step by triggers; added in version 2
 
 ``seq`` is the message's index in the conversation. Times are Unix seconds. Ids are never
 reused (AUTOINCREMENT), so a snapshot file named by id can only ever belong to that conversation.
@@ -32,9 +34,10 @@ from urllib.parse import quote
 
 from .lock import DataDirLock, StoreBusy
 from .paths import db_path, remove_stale_tmp, snapshot_path
+from .search import install_index
 from .textio import clean_text
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the full-text index (search.py); a version-1 database is upgraded on open
 ROLES = ("system", "user", "assistant")
 STATUSES = ("complete", "in_progress", "interrupted")
 TITLE_CHARS = 60
@@ -211,7 +214,9 @@ class ChatStore:
                 for stmt in _SCHEMA.split(";"):
                     if stmt.strip():
                         c.execute(stmt)
-                c.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                install_index(c)
+                c.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('schema_version', ?)",
+                          (str(SCHEMA_VERSION),))
         except sqlite3.DatabaseError as e:
             raise StoreError(f"cannot use {self.path}: {describe_sqlite_error(e)}") from None
 
@@ -308,6 +313,13 @@ class ChatStore:
             "SELECT seq, role, content, status, created, updated FROM messages "
             "WHERE conversation_id = ? ORDER BY seq", (int(conversation_id),))
         return [StoredMessage(*r) for r in rows]
+
+    def search(self, text: str, limit: int = 50) -> list:
+        """Messages of every conversation holding every word of ``text`` (search.py's SearchHit rows);
+        raises search.SearchError for an empty text."""
+        from .search import search
+
+        return search(self, text, limit)
 
     # ---- changing -----------------------------------------------------------------------------
     def create_conversation(self, *, title: str = "", model_id: str = "", model_spec: str = "",

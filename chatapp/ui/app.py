@@ -34,14 +34,16 @@ from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import EngineBridge
+from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
 from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
 from .format import MODES, next_mode
+from .markers import EvictionWatch
 from .messages import TranscriptLoaded
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
 
-class ChatApp(EngineLinkApp):
+class ChatApp(ComfortActions, EngineLinkApp):
     CSS_PATH = "app.tcss"
     TITLE = "chatapp"
     ENABLE_COMMAND_PALETTE = True
@@ -62,6 +64,7 @@ class ChatApp(EngineLinkApp):
         Binding("f6", "show_config", "Config"),
         Binding("f7", "sessions", "Sessions", show=False),
         Binding("ctrl+p", "command_palette", "Palette", show=False),
+        *COMFORT_BINDINGS,  # copy, export, system prompt, switch model (ui/comforts.py)
     ]
 
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
@@ -103,6 +106,7 @@ class ChatApp(EngineLinkApp):
         self._pending_text = ""
         self._stream_lock = None
         self._seen_notices: set[str] = set()
+        self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -393,7 +397,7 @@ class ChatApp(EngineLinkApp):
     # Actions of the main screen: off while a dialog (or the loading screen) is on top, so that,
     # say, Ctrl+N in the mode dialog does not start a new chat behind it.
     MAIN_ACTIONS = frozenset({"cancel", "new_chat", "regenerate", "edit_last", "clear", "toggle_panel",
-                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"})
+                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"}) | COMFORT_ACTIONS
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_ACTIONS and len(self.screen_stack) > 1:
@@ -423,6 +427,7 @@ class ChatApp(EngineLinkApp):
                             self.action_show_config)
         yield SystemCommand("Saved conversations", "F7: open (resume), rename or delete a saved conversation",
                             self.action_sessions)
+        yield from self.comfort_commands()
         yield SystemCommand("Help", "F1: keys and gauges", self.action_help)
 
 

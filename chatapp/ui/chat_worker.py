@@ -24,9 +24,13 @@ from chatapp.engine.requests import (
     RenameConversation,
     Request,
     Send,
+    SetSystemPrompt,
+    SwitchModel,
 )
 from chatapp.engine.worker import EngineWorker
 from chatapp.store import StoreError
+from chatapp.store.model_switch import release_old_model, switch_model
+from chatapp.store.system_prompt import set_system_prompt
 
 from .messages import ConversationChanged
 
@@ -75,8 +79,26 @@ class ChatWorker(EngineWorker):
             case DeleteConversation(conversation_id):
                 self._store_op(f"cannot delete conversation {conversation_id}",
                                lambda: self._delete(chat, conversation_id))
+            case SetSystemPrompt(text):
+                self._emit(set_system_prompt(chat, self.session, text))
+                self.bridge.emit_notes()
+            case SwitchModel(spec):
+                self._switch_model(chat, spec)
             case _:
                 super()._dispatch(request)
+
+    def _switch_model(self, chat, spec: str) -> None:
+        """Load ``spec`` and move the conversation onto it; the old model stays on failure, and
+        once nothing references it (the old chat lets go of its session) its memory is freed."""
+        result, new_chat, config = switch_model(self.bridge.config, chat, spec)
+        if result.ok:
+            self.session = new_chat.session
+            self.bridge.chat, self.bridge.config = new_chat, config
+        del chat, new_chat
+        self._emit(result)
+        self.bridge.emit_notes()
+        if result.ok:
+            self._emit(release_old_model(result.active_before))
 
     def _notes(self, notes) -> None:
         self.bridge.emit_notes([(n.level, n.text) for n in notes])

@@ -21,9 +21,10 @@ from textual.app import App
 
 from chatapp.engine.events import SessionInfo
 from chatapp.engine.requests import Compare, Describe, EditLast, Regenerate, Request, Send, SwitchMode
-from chatapp.engine.stats import TurnStats
+from chatapp.engine.stats import CacheView, TurnStats
 
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
+from .markers import CacheNotice, apply_markers
 from .messages import (
     CompareMessage,
     ConversationChanged,
@@ -34,10 +35,13 @@ from .messages import (
     InfoMessage,
     LoadedMessage,
     LoadingMessage,
+    ModelReleasedMessage,
+    ModelSwitchMessage,
     NotesMessage,
     PrefillMessage,
     StartupFailedMessage,
     SwitchedMessage,
+    SystemPromptMessage,
     TokenMessage,
     TranscriptLoaded,
     TranscriptMessage,
@@ -108,6 +112,23 @@ class EngineLinkApp(App[int]):
     async def _on_conversation(self, message: ConversationMessage) -> None:
         self._seen(message)
         await self._conversation_changed(message.event)
+
+    @on(SystemPromptMessage)
+    async def _on_system_prompt(self, message: SystemPromptMessage) -> None:
+        self._seen(message)
+        await self._system_changed(message.event)  # ui/comforts.py
+
+    @on(ModelSwitchMessage)
+    async def _on_model_switch(self, message: ModelSwitchMessage) -> None:
+        self._seen(message)
+        await self._model_switched(message.event)  # ui/comforts.py
+
+    @on(ModelReleasedMessage)
+    def _on_model_released(self, message: ModelReleasedMessage) -> None:
+        self._seen(message)
+        line = message.event.line()
+        self.store_notes.append(("note", line))
+        self.notify(line, title="model switched", markup=False, timeout=12)
 
     @on(TokenMessage)
     def _on_token(self, message: TokenMessage) -> None:
@@ -190,6 +211,7 @@ class EngineLinkApp(App[int]):
         self.requested_mode = info.requested_mode
         self.cache_view = info.cache
         self._mark_evicted(info.cache.first_visible_message)
+        self._cache_markers(info.cache)
         self._update_status()
         self._update_panel()
 
@@ -221,6 +243,7 @@ class EngineLinkApp(App[int]):
         for note in stats.notices:
             self._notice(note)
         self._mark_evicted(stats.cache.first_visible_message)
+        self._cache_markers(stats.cache)
         self._update_status()
         self._update_panel()
 
@@ -277,6 +300,7 @@ class EngineLinkApp(App[int]):
         self.conv_steps = []
         self.conv_memory = []
         self.last_stats = None
+        self.eviction_watch.reset()
         for i, (role, content, interrupted) in enumerate(ev.messages):
             cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
             widget = cls(content, i)
@@ -314,6 +338,7 @@ class EngineLinkApp(App[int]):
 
     async def _clear_conversation(self) -> None:
         self.editing = False
+        self.eviction_watch.reset()
         await self.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
@@ -377,6 +402,14 @@ class EngineLinkApp(App[int]):
             if self.entries[i].role == "user":
                 return i
         return None
+
+    def _cache_markers(self, cache: CacheView) -> None:
+        """What the KV cache holds of each message (ui/markers.py); the first-eviction notice."""
+        apply_markers(self.entries, cache.messages)
+        line = self.eviction_watch.check(cache.messages, [e.role for e in self.entries], cache,
+                                         self.info.effective if self.info else {})
+        if line:
+            self.query_one(ChatView).mount(CacheNotice(line, markup=False))
 
     def _mark_evicted(self, first_visible: int) -> None:
         for i, entry in enumerate(self.entries):

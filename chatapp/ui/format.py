@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -396,3 +397,12 @@ def _one_of(values: tuple) -> str:
 def next_mode(mode: str) -> str:
     i = MODES.index(mode) if mode in MODES else -1
     return MODES[(i + 1) % len(MODES)]
+
+
+def fmt_when(ts: float, now: float | None = None) -> str:
+    """When a conversation was last updated: the time today, else the date and time."""
+    now = time.time() if now is None else now
+    lt = time.localtime(ts)
+    if time.localtime(now)[:3] == lt[:3]:
+        return time.strftime("today %H:%M", lt)
+    return time.strftime("%Y-%m-%d %H:%M", lt)

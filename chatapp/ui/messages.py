@@ -27,6 +27,8 @@ from chatapp.engine.events import (
     TokenEvent,
     TurnDone,
 )
+from chatapp.store.model_switch import ModelReleased, ModelSwitch
+from chatapp.store.system_prompt import SystemChange
 
 
 # ---- events of the bridge's own (emitted on the engine thread) ------------------------------------
@@ -147,12 +149,28 @@ class ConversationMessage(EngineMessage):
     event: ConversationChanged
 
 
+class SystemPromptMessage(EngineMessage):
+    kind = "SystemChange"
+    event: SystemChange
+
+
+class ModelSwitchMessage(EngineMessage):
+    kind = "ModelSwitch"
+    event: ModelSwitch
+
+
+class ModelReleasedMessage(EngineMessage):
+    kind = "ModelReleased"
+    event: ModelReleased
+
+
 MESSAGES: dict[type, type[EngineMessage]] = {
     LoadProgress: LoadingMessage, Loaded: LoadedMessage, SessionInfo: InfoMessage,
     PrefillProgress: PrefillMessage, TokenEvent: TokenMessage, TurnDone: TurnDoneMessage, Idle: IdleMessage,
     Switched: SwitchedMessage, CompareResult: CompareMessage, Failed: FailedMessage,
     StartupFailed: StartupFailedMessage, ChatNotes: NotesMessage, TranscriptLoaded: TranscriptMessage,
-    ConversationChanged: ConversationMessage,
+    ConversationChanged: ConversationMessage, SystemChange: SystemPromptMessage, ModelSwitch: ModelSwitchMessage,
+    ModelReleased: ModelReleasedMessage,
 }
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 from rich.table import Table
@@ -16,7 +15,20 @@ from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select
 
 from chatapp.textsafe import printable
 
-from .format import MODE_FIELDS, MODE_HELP, MODES, fmt_rate, fmt_seconds_ms, hbar, model_label, validate_mode_fields
+from .clipboard import OSC52_NOTE
+from .comforts import COMFORT_KEYS
+from .format import (
+    MODE_FIELDS,
+    MODE_HELP,
+    MODES,
+    fmt_rate,
+    fmt_seconds_ms,
+    fmt_when,
+    hbar,
+    model_label,
+    validate_mode_fields,
+)
+from .markers import legend as markers_legend
 
 #: (key, what it does) - the help screen and docs/tui.md list these.
 KEYS: list[tuple[str, str]] = [
@@ -34,7 +46,7 @@ KEYS: list[tuple[str, str]] = [
     ("F4", "cache-mode dialog (mode and settings)"),
     ("F5", "compare cache modes on the last turn"),
     ("F6", "effective configuration and where each value came from"),
-    ("F7", "saved conversations: open (resume), rename, delete"),
+    ("F7", "saved conversations: open (resume), search (/), rename, delete"),
     ("F1 / ?", "this help"),
     ("Ctrl+P", "command palette (every action, searchable)"),
     ("Ctrl+Q", "quit"),
@@ -83,7 +95,7 @@ class HelpScreen(ModalScreen):
         keys = Table(box=None, show_header=False, padding=(0, 2, 0, 0), expand=True)
         keys.add_column(style="bold", no_wrap=True)
         keys.add_column(ratio=1)
-        for key, what in KEYS:
+        for key, what in KEYS + COMFORT_KEYS:
             keys.add_row(key, what)
         note = Text("While a reply streams, new messages are queued and cache-mode switches apply when it "
                     "ends. docs/tui.md explains every gauge.", style="dim")
@@ -91,6 +103,10 @@ class HelpScreen(ModalScreen):
             yield Static(Text("Keys", style="bold"), markup=False)
             yield Static(keys, markup=False)
             yield Static(note, markup=False, id="help-note")
+            yield Static(Text(OSC52_NOTE, style="dim"), markup=False, id="help-osc52")
+            yield Static(Text("Cache markers (the right edge of each message; its header says it too)",
+                              style="bold"), markup=False, id="help-markers-title")
+            yield Static(markers_legend(), markup=False, id="help-markers")
             yield Static(Text("Esc closes", style="dim"), classes="dialog-hint", markup=False)
 
 
@@ -309,15 +325,6 @@ class CompareScreen(ModalScreen):
         return out
 
 
-def fmt_when(ts: float, now: float | None = None) -> str:
-    """When a conversation was last updated: the time today, else the date and time."""
-    now = time.time() if now is None else now
-    lt = time.localtime(ts)
-    if time.localtime(now)[:3] == lt[:3]:
-        return time.strftime("today %H:%M", lt)
-    return time.strftime("%Y-%m-%d %H:%M", lt)
-
-
 class SessionsScreen(ModalScreen):
     """Saved conversations, latest first: open (resume), rename, delete.
 
@@ -332,6 +339,7 @@ class SessionsScreen(ModalScreen):
         Binding("enter,o", "open", "Open", priority=True),
         Binding("r", "rename", "Rename"),
         Binding("d,delete", "delete", "Delete"),
+        Binding("slash,s,ctrl+f", "search", "Search"),
     ]
 
     def __init__(self, load: Callable[[], tuple[list[Any], str]], on_open: Callable[[int], Any],
@@ -350,7 +358,7 @@ class SessionsScreen(ModalScreen):
             yield Static(Text("Saved conversations", style="bold"), markup=False)
             yield DataTable(id="sessions-table", zebra_stripes=True, cursor_type="row")
             yield Static("", id="sessions-status", markup=False)
-            yield Static(Text("Enter opens (resumes) · r renames · d deletes · Esc closes", style="dim"),
+            yield Static(Text("Enter opens (resumes) · / searches · r renames · d deletes · Esc closes", style="dim"),
                          classes="dialog-hint", markup=False)
 
     def on_mount(self) -> None:
@@ -401,6 +409,11 @@ class SessionsScreen(ModalScreen):
             return
         self.dismiss()
         self.on_open(c.id)
+
+    def action_search(self) -> None:
+        from .search_screen import open_search
+
+        open_search(self, self.app.bridge.data_dir(), self.on_open)
 
     def action_rename(self) -> None:
         c = self.selected()

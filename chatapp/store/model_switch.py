@@ -1,0 +1,95 @@
+"""Switch the model under a saved conversation (the TUI's switch-model dialog); engine thread.
+
+The new model loads while the old one stays in use: a model that does not load leaves
+everything as it was (the error is one line). Once it loads, the conversation is copied onto
+a session of the new model and prefilled (engine/model_switch.py), the stored conversation
+records the new model (so resuming it loads that one), and the old session is dropped and its
+memory released by the next engine command (:func:`release_old_model`); the results say what the
+switch cost and what was freed.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+from .chat import MiB, ModelIdentity, PersistentChat
+
+
+@dataclass
+class ModelSwitch:
+    spec: str
+    ok: bool
+    error: str = ""
+    model_id: str = ""
+    load_seconds: float = 0.0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    active_before: int = 0  # MLX active bytes before the switch (the old model loaded)
+    notes: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        if not self.ok:
+            return self.error
+        cost = (f"re-prefilled {self.prefill_tokens} tokens in {self.prefill_seconds:.2f} s"
+                if self.prefill_tokens else "nothing to re-prefill")
+        return f"switched to {self.model_id}: loaded in {self.load_seconds:.1f} s, {cost}"
+
+
+@dataclass
+class ModelReleased:
+    """What freeing the old model gave back (MLX's active bytes before the switch and now)."""
+
+    active_before: int
+    active_after: int
+
+    def line(self) -> str:
+        mib = lambda n: f"{n / MiB:.1f} MiB"  # noqa: E731
+        return (f"old model released: MLX active memory {mib(self.active_before)} with it (before the switch), "
+                f"{mib(self.active_after)} now")
+
+
+def release_old_model(active_before: int) -> ModelReleased:
+    """Free the old model's memory; call it from a later engine request than the switch (the
+    request that switched still holds the old session in its frame)."""
+    from chatapp.engine.model_switch import release_memory
+
+    return ModelReleased(active_before, release_memory())
+
+
+def switch_model(config, chat: PersistentChat, spec: str) -> tuple[ModelSwitch, PersistentChat, object]:
+    """Load ``spec`` (a folder, a repo id or a GGUF file) and move ``chat``'s conversation onto it.
+
+    Returns (result, the chat to use from now on, the config that loaded it). On failure the
+    old chat and config come back unchanged."""
+    from chatapp.engine.model_switch import active_memory, adopt_conversation
+    from chatapp.engine.setup import load_engine, session_from_config
+
+    spec = spec.strip()
+    result = ModelSwitch(spec, False)
+    if not spec:
+        result.error = "give a model: a local folder, a Hugging Face repo id or a .gguf file"
+        return result, chat, config
+    new_config = copy.deepcopy(config)
+    new_config.model.id = spec
+    result.active_before = active_memory()
+    t0 = time.perf_counter()
+    try:
+        loaded = load_engine(new_config)
+        session = session_from_config(new_config, loaded)
+    except Exception as e:  # noqa: BLE001 - any failure to load: one line, the old model stays
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        result.error = f"cannot load {spec}: {text}"
+        return result, chat, config
+    result.load_seconds = time.perf_counter() - t0
+    result.prefill_tokens, result.prefill_seconds = adopt_conversation(session, chat.session)
+    new_chat = chat.moved_to(session, ModelIdentity.from_loaded(loaded, spec))
+    result.model_id = session.model_id or spec
+    result.notes = list(session.notices)
+    del loaded
+    result.ok = True
+    return result, new_chat, new_config
+
+
+__all__ = ["ModelReleased", "ModelSwitch", "release_old_model", "switch_model"]

@@ -1,0 +1,158 @@
+"""The comforts (ui/comforts.py): copy, export, themes remembered, the system-prompt dialog and
+switching the model. Pilot tests on the real stories260K models (skipped without ../shared)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+
+pytest.importorskip("textual")
+
+from test_ui import async_test, make_app, ready, screen_text, turn, wait_until  # noqa: E402
+
+from chatapp.config import user_config_path  # noqa: E402
+from chatapp.config_write import remember, with_value  # noqa: E402
+from chatapp.store import ChatStore  # noqa: E402
+from chatapp.ui.clipboard import code_blocks, copyables, last_code_block  # noqa: E402
+from chatapp.ui.dialogs import CopyDialog, ExportDialog, ModelDialog, SystemPromptDialog  # noqa: E402
+
+pytestmark = pytest.mark.shared
+
+
+class E:  # an entry of the transcript mirror
+    def __init__(self, role, text):
+        self.role, self.text, self.widget = role, text, None
+
+
+def test_code_blocks_and_copyables():
+    reply = "Here:\n\n```python\nprint('hi')\n```\n\nand\n\n```\nls -l\n```\n"
+    assert code_blocks(reply) == [("python", "print('hi')\n"), ("", "ls -l\n")]
+    entries = [E("user", "show me"), E("assistant", reply)]
+    assert last_code_block(entries) == "ls -l\n"
+    items = copyables(entries)
+    assert [i.kind for i in items] == ["message", "code", "code", "message"]
+    assert items[1].label.startswith("  code block 1 (python)") and items[-1].text == "show me"
+
+
+def test_with_value_changes_one_line_only(tmp_path):
+    text = "# mine\n[model]\nid = \"x\"  # keep\n\n[ui]\n# comment\ntheme = \"nord\"\nshow_panel = true\n"
+    assert with_value(text, "ui", "theme", "gruvbox") == text.replace('"nord"', '"gruvbox"')
+    assert with_value("[model]\nid = \"x\"\n", "ui", "theme", "a\"b") == '[model]\nid = "x"\n\n[ui]\ntheme = "a\\"b"\n'
+    assert with_value("[ui]\nshow_panel = false\n", "ui", "theme", "t") == '[ui]\ntheme = "t"\nshow_panel = false\n'
+    path = tmp_path / "cfg" / "config.toml"
+    remember("ui", "theme", "dracula", path)
+    assert path.read_text() == '[ui]\ntheme = "dracula"\n'
+
+
+@async_test
+async def test_copy_export_and_theme(stories4_path, tmp_path, monkeypatch):
+    # This test's own user config dir: the theme it chooses must not reach other tests' apps.
+    monkeypatch.setenv("CHATAPP_CONFIG_DIR", str(tmp_path / "config"))
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press("f8")
+        assert app.clipboard == ""  # nothing yet: a note says so
+        await turn(pilot, "Tell me about a cat.")
+        reply = app.entries[-1].text
+        await pilot.press("f8")
+        assert app.clipboard == reply and reply
+        await pilot.press("f9")
+        assert isinstance(app.screen, CopyDialog)
+        await pilot.press("down", "enter")  # the newest first: the reply, then the user's message
+        assert app.clipboard == "Tell me about a cat." and not isinstance(app.screen, CopyDialog)
+
+        await pilot.press("ctrl+s")
+        dialog = app.screen
+        assert isinstance(dialog, ExportDialog)
+        dialog.query_one("#export-path").value = str(tmp_path)  # a folder: refused in the dialog
+        await pilot.press("enter")
+        assert app.screen is dialog and "is a folder" in await screen_text(pilot)
+        out = tmp_path / "chat.json"
+        dialog.query_one("#export-format").value = "json"
+        dialog.query_one("#export-path").value = str(out)
+        await pilot.press("enter")
+        assert not isinstance(app.screen, ExportDialog)
+        data = json.loads(out.read_text())
+        assert [(m["role"], m["content"]) for m in data["messages"]] == [("user", "Tell me about a cat."),
+                                                                          ("assistant", reply)]
+
+        app.theme = "nord"  # what the palette's "Change theme" does
+        await pilot.pause()
+        assert user_config_path() == tmp_path / "config" / "config.toml"
+        assert 'theme = "nord"' in user_config_path().read_text()
+        assert app.config.ui.theme == "nord"
+
+
+@async_test
+async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_store(stories4_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Once upon a time")
+        await pilot.press("f10")
+        assert isinstance(app.screen, SystemPromptDialog)
+        app.screen.query_one("#system-text").text = "You tell short stories about cats and dogs."
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: not app.bridge.busy and app.entries[0].role == "system", what="the change")
+        assert [e.role for e in app.entries] == ["system", "user", "assistant"]
+        assert app.entries[0].widget.cache_state == "pending"  # not prefilled until the next turn
+        assert app.bridge.chat.session.cached == []
+        await turn(pilot, "The dog")
+        stats = app.last_stats
+        assert stats.reused_tokens == 0 and stats.prefill_tokens == stats.prompt_tokens
+        cid = app.conversation_id or app.bridge.chat.conversation_id
+        with ChatStore.open(app.bridge.data_dir(), write=False) as store:
+            assert [m.role for m in store.messages(cid)][:2] == ["system", "user"]
+
+        # Another conversation with the same system prompt: its first turn stored the system
+        # prompt in the prefix store, so a new chat starts warm from it.
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        await turn(pilot, "A bird")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        assert app.entries[0].role == "system"  # kept for the new chat, as the session keeps it
+        await turn(pilot, "A fish")
+        assert app.last_stats.prefix_tokens > 0
+
+
+@async_test
+async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stories4_path, stories_path, tmp_path):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await turn(pilot, "Once upon a time")
+        before = [(e.role, e.text) for e in app.entries]
+        old_session = weakref.ref(app.bridge.chat.session)
+        old_model = weakref.ref(app.bridge.chat.session.model)
+        await pilot.press("f12")
+        dialog = app.screen
+        assert isinstance(dialog, ModelDialog)
+        dialog.query_one("#model-input").value = str(tmp_path / "no-such-model")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.bridge.busy and not dialog.loading, what="the failed load")
+        text = await screen_text(pilot)
+        assert "cannot load" in text and app.screen is dialog
+        assert app.bridge.chat.session is old_session() and [(e.role, e.text) for e in app.entries] == before
+
+        dialog.query_one("#model-input").value = str(stories_path)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.bridge.busy and not isinstance(app.screen, ModelDialog),
+                         timeout=180, what="the switch")  # the first load may compile kernels
+        assert app.model_id.endswith("stories260K") and app.bridge.chat.session is not old_session()
+        assert [(e.role, e.text) for e in app.entries] == before
+        await wait_until(pilot, lambda: "old model released" in app.store_notes[-1][1], what="the release")
+        assert "switched to" in app.store_notes[-2][1] and "re-prefilled" in app.store_notes[-2][1]
+        assert "MLX active memory" in app.store_notes[-1][1]
+        assert len(app.bridge.chat.session.cached) > 0
+        gc.collect()
+        assert old_model() is None and old_session() is None  # the old model's memory was released
+        await turn(pilot, "The end")
+        assert app.last_stats.reused_tokens > 0  # the re-prefilled conversation is reused
+        cid = app.bridge.chat.conversation_id
+        with ChatStore.open(app.bridge.data_dir(), write=False) as store:
+            assert store.get(cid).model_spec == str(stories_path.resolve())
