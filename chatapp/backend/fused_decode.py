@@ -318,5 +318,11 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         object.__delattr__(model, "_chatapp_fused")
 
 
+def steps_synchronously(model) -> bool:
+    """Whether ``model``'s single-token steps compute inside the call (the fused step) rather
+    than building a lazy graph: the session then reads each token before starting the next step."""
+    return getattr(model, "_chatapp_fused", None) is not None and is_fused(model)
+
+
 def is_fused(model: nn.Module) -> bool:
     return getattr(type(model), "_chatapp_base", None) is not None

@@ -24,6 +24,7 @@ from cache import (
     model_geometry,
     total_usage,
 )
+from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, common_prefix
 from chatapp.prompt.formats import PromptFormat
@@ -296,23 +297,33 @@ class Session:
         mx.async_eval(y)
         n, finish = 0, "length"
         t_last = None
+        # A native decode step (backend.fused_decode) runs inside the model call rather than
+        # lazily: scheduled before a token is read, it would hold that token back by one step.
+        sync = steps_synchronously(self.model)
+        context, y_next = 0, None
+
+        def schedule(y):
+            nonlocal history, context
+            context = self.caches[0].offset + 1
+            nxt = self.model(y[None], cache=self.caches)[:, -1, :]
+            if processors:
+                history = mx.concatenate([history, y])
+            y_next = sample(nxt)
+            mx.async_eval(y_next)
+            return y_next
+
         while True:
             if self._cancel.is_set():
                 finish = "cancelled"
                 break
             fed = n + 1 < gen.max_tokens
-            if fed:
+            if fed and not sync:
                 # Schedule the next step before reading this token: the model runs while
                 # Python handles the current one (as mlx-lm's generate_step does).
-                context = self.caches[0].offset + 1
-                nxt = self.model(y[None], cache=self.caches)[:, -1, :]
-                if processors:
-                    history = mx.concatenate([history, y])
-                y_next = sample(nxt)
-                mx.async_eval(y_next)
+                y_next = schedule(y)
             tok = y.item()
             now = time.perf_counter()
-            if fed:
+            if fed and not sync:
                 self.cached.append(tok)
             if n == 0:
                 stats.ttft = now - t0
@@ -336,6 +347,9 @@ class Session:
                 break
             if not fed:
                 break
+            if sync:
+                self.cached.append(tok)  # the caches take it now (an end token they never take)
+                y_next = schedule(y)
             y = y_next
         detok.finalize()
         tail, stopped = stops.feed(detok.last_segment)
