@@ -282,8 +282,8 @@ class FusedDecoder:
         pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
-                         np.empty((T, hd), np.float32), k_out, v_out, np.empty((T, hd), np.float32),
-                         np.empty((T, self._act.shape[0]), np.float32))
+                         np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
+                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32))
         del held
         k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)

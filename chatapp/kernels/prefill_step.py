@@ -9,12 +9,11 @@ claims chunks of each phase from atomic counters, with a barrier at each phase's
 
     0. q, k, v rows     (a tile of ROW_TILE rows dequantised into cache-resident memory,
                          then multiplied with every token: the weight is read once per chunk)
-    1. RoPE of the new keys, one KV head per claim
-    2. causal attention, one (query head, token block) per claim, over the cache's rows read
-       in place plus the chunk's own rows
-    3. x += o_proj(attn)
-    4. act = silu(gate(m)) * up(m)
-    5. x += down(act)
+    1. causal attention, one (query head, token block) per claim, over the cache's rows read
+       in place plus the chunk's own rows (RoPE of the keys it reads included)
+    2. x += o_proj(attn)
+    3. act = silu(gate(m)) * up(m)
+    4. x += down(act)
 
 The products are float32 throughout (the exact route's numbers, summed in another order than
 the BLAS): the tile holds each row de-interleaved (even elements, then odd, as the 4-bit
@@ -32,8 +31,6 @@ from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
 from .decode_step import _LINE, _barrier, _claim, _done, _f32_at, _rope, _silu_mul
 from .llvm import as_f32
 
-PHASES = 6
-CTL_SIZE = 2 * _LINE * PHASES
 ROW_TILE = 16  # rows dequantised per claim: 16 x 1536 float32 = 96 KiB, inside L2
 TOKEN_BLOCK = 16  # query tokens per attention claim
 
@@ -163,13 +160,14 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # prag
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_new, v_new, attn, act):  # pragma: no cover - jitted
+                  scale, q, k_raw, k_new, v_new, attn, act):  # pragma: no cover - jitted
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
     the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
     buffers, n_cached rows held. Outputs: k_new (roped) and v_new [T, kv_heads * D] for the
-    caller to append; q [T, heads * D], attn [T, heads * D], act [T, hidden] are shared scratch."""
+    caller to append; q [T, heads * D], k_raw [T, kv_heads * D] (keys before RoPE), attn
+    [T, heads * D], act [T, hidden] are shared scratch."""
     T, dim = x.shape
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
@@ -181,40 +179,53 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
     no_norm = np.empty(0, np.float32)
 
-    # 0. q, k, v (three products, one after the other inside the phase: their own counters)
+    # 0. q, k, v: one phase over the row tiles of the three weights
     _permuted(x, attn_norm, eps, xp_d)
-    _product_phase(ctl, 0, wq, bits[0], group_size, xp_d, q, False, tile_d)
-    _product_phase(ctl, 1, wk, bits[1], group_size, xp_d, k_new, False, tile_d)
-    _product_phase(ctl, 2, wv, bits[2], group_size, xp_d, v_new, False, tile_d)
-
-    # 1. RoPE of the new keys, one KV head per claim
-    kr = np.empty(D, np.float32)
+    nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
+    cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
+    n0 = cq + ck + (nv + ROW_TILE - 1) // ROW_TILE
     while True:
-        kh = _claim(ctl, 3, n_kv_heads)
-        if kh < 0:
+        c = _claim(ctl, 0, n0)
+        if c < 0:
             break
-        for t in range(T):
-            kr[:] = k_new[t, kh * D:(kh + 1) * D]
-            _rope(kr, cos[t], sin[t], traditional)
-            k_new[t, kh * D:(kh + 1) * D] = kr
-        _done(ctl, 3)
-    _barrier(ctl, 3, n_kv_heads)
+        if c < cq:
+            w, wb, dst, r0 = wq, bits[0], q, c * ROW_TILE
+        elif c < cq + ck:
+            w, wb, dst, r0 = wk, bits[1], k_raw, (c - cq) * ROW_TILE
+        else:
+            w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
+        n = min(ROW_TILE, w[0].shape[0] - r0)
+        _dequant_tile(w, wb, group_size, r0, n, tile_d)
+        _tile_times(tile_d, n, xp_d, dst, r0, False)
+        _done(ctl, 0)
+    _barrier(ctl, 0, n0)
 
-    # 2. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t
+    # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t. Each
+    # claim ropes the keys it reads into its own buffer (the raw keys stay shared and unchanged);
+    # the claim of each KV group's first head and last token block, which ropes them all,
+    # hands them to the caller.
     n_blocks = (T + TOKEN_BLOCK - 1) // TOKEN_BLOCK
     n_units = n_heads * n_blocks
     s = np.empty(n_cached + T, np.float32)
     o = np.empty(D, np.float32)
     qr = np.empty(D, np.float32)
+    kr = np.empty((T, D), np.float32)
     while True:
-        u = _claim(ctl, 4, n_units)
+        u = _claim(ctl, 1, n_units)
         if u < 0:
             break
         h, blk = u // n_blocks, u % n_blocks
         kh = h // G
+        t_end = min(T, (blk + 1) * TOKEN_BLOCK)
+        for j in range(t_end):
+            kr[j] = k_raw[j, kh * D:(kh + 1) * D]
+            _rope(kr[j], cos[j], sin[j], traditional)
+        if h % G == 0 and blk == n_blocks - 1:
+            for j in range(T):
+                k_new[j, kh * D:(kh + 1) * D] = kr[j]
         kc = _rows(k_cache, kh, k_stride, n_cached, D)
         vc = _rows(v_cache, kh, v_stride, n_cached, D)
-        for t in range(blk * TOKEN_BLOCK, min(T, (blk + 1) * TOKEN_BLOCK)):
+        for t in range(blk * TOKEN_BLOCK, t_end):
             qr[:] = q[t, h * D:(h + 1) * D]
             _rope(qr, cos[t], sin[t], traditional)
             if n_cached:
@@ -222,7 +233,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             for j in range(t + 1):
                 d = np.float32(0.0)
                 for e in range(D):
-                    d += qr[e] * k_new[j, kh * D + e]
+                    d += qr[e] * kr[j, e]
                 s[n_cached + j] = d * scale
             tot = _softmax_inplace(s[:n_cached + t + 1])
             o[:] = 0.0
@@ -234,12 +245,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
                     o[e] += p * v_new[j, kh * D + e]
             for e in range(D):
                 attn[t, h * D + e] = o[e] / tot
-        _done(ctl, 4)
-    _barrier(ctl, 4, n_units)
+        _done(ctl, 1)
+    _barrier(ctl, 1, n_units)
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)
-    _product_phase(ctl, 5, wo, bits[3], group_size, xp_a, x, True, tile_a)
+    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a)
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
     _permuted(x, mlp_norm, eps, xp_d)
@@ -247,7 +258,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     uu = np.empty((T, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
     while True:
-        c = _claim(ctl, 6, n4)
+        c = _claim(ctl, 3, n4)
         if c < 0:
             break
         r0 = c * ROW_TILE
@@ -259,22 +270,22 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         for t in range(T):
             for i in range(n):
                 act[t, r0 + i] = _silu_mul(gu[t, i], uu[t, i])
-        _done(ctl, 6)
-    _barrier(ctl, 6, n4)
+        _done(ctl, 3)
+    _barrier(ctl, 3, n4)
 
     # 5. x += down(act)
     _permuted(act, no_norm, eps, xp_h)
-    _product_phase(ctl, 7, wd, bits[6], group_size, xp_h, x, True, tile_h)
+    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h)
 
 
-# phases 0-7 above (q, k, v have a counter each)
-LAYER_CTL = 2 * _LINE * 8
+# phases 0-4 above: a layer passes 5 barriers, as decode_step's does
+LAYER_CTL = 2 * _LINE * 5
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_out, v_out, attn, act):  # pragma: no cover - jitted
+                 scale, q, k_raw, k_out, v_out, attn, act):  # pragma: no cover - jitted
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
     takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V."""
@@ -284,7 +295,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
-                      v_cache, kv_stride[layer], n_cached, scale, q, k_out[layer], v_out[layer], attn, act)
+                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
