@@ -82,3 +82,24 @@ def test_greedy_after_a_fused_prefill_equals_mlx():
             logits = np.array(m(mx.array([[toks[-1]]]), cache=caches)[0, -1])
         outs.append(toks)
     assert outs[0] == outs[1]
+
+
+def test_fast_numerics_keeps_the_last_layer_exact_and_a_cleared_mask_is_exact():
+    from chatapp.kernels.decode_step import FAST_ALL
+
+    exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
+    apply_fast_path(exact, backend="cpu", warm_up=False)
+    plan = apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    dec = fast._chatapp_fused
+    assert list(dec.fast_mask) == [FAST_ALL] * (len(dec.layers) - 1) + [0]
+    assert "the last layer exact" in plan.fused_decode
+
+    def step_logits(m):
+        caches = make_caches(m, CacheSettings())
+        m(mx.array([[1, 2, 3, 4]]), cache=caches)
+        return np.array(m(mx.array([[5]]), cache=caches)[0, -1])
+
+    want, got_fast = step_logits(exact), step_logits(fast)
+    assert not np.array_equal(got_fast, want)  # int8 activations in layer 0 change the numbers
+    dec.fast_mask[:] = 0
+    assert np.array_equal(step_logits(fast), want)
