@@ -58,7 +58,6 @@ def _ids(path: str, system: str, user: str) -> tuple[list[int], list[int]]:
 def run_gguf(args) -> int:
     from chatapp.bench.common import loadavg
     from chatapp.bench.cpu_flagship import _run_peer
-    from chatapp.bench.cpu_gguf_peer import summary
     from chatapp.model.gguf_file import GGUFError
 
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -97,6 +96,13 @@ def run_gguf(args) -> int:
         if peer.startswith("chatapp") and runs[peer][0].get("turn_ids") != turn:
             log(f"# WARNING: {peer} rendered the first turn differently from the ids llama.cpp was given")
     return _report(args, path, runs, len(turn), load_start)
+
+
+def summary(res: dict) -> str:
+    """One line of a finished run, for the orchestrator's log."""
+    pts = ", ".join(f"{p['cached']}: {p['prefill_tok_s']:.0f}/{p['decode_tok_s']:.0f}" for p in res["points"])
+    return (f"load {res['load_s']:.2f} s, TTFT {statistics.median(res['ttft_ms']):.0f} ms, "
+            f"prefill/decode tok/s at cached {pts}")
 
 
 def _best(runs: list[dict]) -> dict:

@@ -23,7 +23,6 @@ What each peer measures:
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 
@@ -133,13 +132,6 @@ def run_llama_cpp(spec: dict) -> dict:
 
 
 PEERS = {"chatapp": run_chatapp, "chatapp-fast": run_chatapp_fast, "llama.cpp": run_llama_cpp}
-
-
-def summary(res: dict) -> str:
-    """One line of a finished run, for the orchestrator's log."""
-    pts = ", ".join(f"{p['cached']}: {p['prefill_tok_s']:.0f}/{p['decode_tok_s']:.0f}" for p in res["points"])
-    return (f"load {res['load_s']:.2f} s, TTFT {statistics.median(res['ttft_ms']):.0f} ms, "
-            f"prefill/decode tok/s at cached {pts}")
 
 
 def main(argv: list[str]) -> int:
