@@ -24,6 +24,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .qlinear import last_position_wanted
+
 # model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
 FUSED_MODEL_TYPES = ("llama", "mistral")
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
@@ -122,6 +124,8 @@ class FusedDecoder:
         inner = _inner(model)
         # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
         self.fast = numerics == "fast"
+        # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
+        self.prefill_chunks = True
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
@@ -176,6 +180,15 @@ class FusedDecoder:
         if any(layer.eps != self._eps for layer in self.layers):
             raise ValueError("fused decode: layers with different norm eps")
         n = len(self.layers)
+        from chatapp.kernels.decode_step import FAST_ALL
+
+        # per layer, which products run on int8 activations (decode_step.FAST_*). Under
+        # numerics = fast all of them but the last layer's: SmolLM2, 512 tokens of a text
+        # teacher-forced, perplexity +1.17% with every layer on int8, +0.41% with the last exact
+        # (first exact: +0.65%, first and last: +0.71%, down_proj exact everywhere: +1.52%).
+        self.fast_mask = np.full(n, FAST_ALL if self.fast else 0, np.int64)
+        if self.fast and n > 1:
+            self.fast_mask[-1] = 0
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
         self._kv_addr = np.empty((n, 2), np.int64)
@@ -201,25 +214,21 @@ class FusedDecoder:
         s, b = f32(pw.scales[token]), f32(pw.biases[token])
         return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
 
-    def step(self, token: int, caches: list) -> np.ndarray:
-        """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
-        from chatapp.kernels.decode_step import CTL_SIZE, rms_norm, rope_angles, token_step
-        from chatapp.kernels.pool import pool
-
+    def _cache_buffers(self, caches: list, n_new: int) -> tuple[list, int]:
+        """Room for ``n_new`` more rows in every layer's buffers, and their addresses, sizes and
+        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the numpy views (keep
+        them alive while the kernel runs) and the rows held."""
         KVH, D = self.n_kv_heads, self.head_dim
-        position = caches[0].offset
         bufs = []
         for c in caches:
             full = c.full
-            if full.keys is None or full.length + 1 > full.capacity:
-                z = mx.zeros((1, KVH, 1, D), mx.float32)
-                full.append(z, z)  # grows by whole chunks; the zero row is dropped again
-                full.trim(1)
+            if full.keys is None or full.length + n_new > full.capacity:
+                z = mx.zeros((1, KVH, n_new, D), mx.float32)
+                full.append(z, z)  # grows by whole chunks; the zero rows are dropped again
+                full.trim(n_new)
             bufs += [full.keys, full.values]
         mx.eval(*bufs)
-        cos, sin = rope_angles(position, self.inv_freq)
-        x = self.embedding(token)
-        held = []  # the numpy views stay alive (and the buffers with them) while the kernel runs
+        held = []
         for i, c in enumerate(caches):
             # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
             kf, vf = np.asarray(c.full.keys), np.asarray(c.full.values)
@@ -230,20 +239,66 @@ class FusedDecoder:
         n_cached = caches[0].full.length
         if any(c.full.length != n_cached for c in caches):
             raise ValueError("fused decode: the layers' caches hold different token counts")
-        pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
-                         self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
-                         self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
-                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
-                         self.fast)
-        k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
-        for i, c in enumerate(caches):
-            c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
+        return held, n_cached
+
+    def _head(self, x: np.ndarray) -> np.ndarray:
+        """Logits [vocab] of the final hidden state ``x`` [dim]."""
+        from chatapp.kernels.decode_step import rms_norm
+
         xn = rms_norm(x, self.final_norm, self.final_eps)
         if self.head_packed is not None:
             from chatapp.kernels.qmatmul import matmul
 
             return matmul(self.head_packed, xn[None])[0]
         return self.head_dense @ xn
+
+    def step(self, token: int, caches: list) -> np.ndarray:
+        """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
+        from chatapp.kernels.decode_step import CTL_SIZE, rope_angles, token_step
+        from chatapp.kernels.pool import pool
+
+        KVH, D = self.n_kv_heads, self.head_dim
+        held, n_cached = self._cache_buffers(caches, 1)
+        cos, sin = rope_angles(n_cached, self.inv_freq)
+        x = self.embedding(token)
+        pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
+                         self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
+                         self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
+                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
+                         self.fast_mask)
+        del held
+        k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
+        return self._head(x)
+
+    def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
+        """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
+        chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32)."""
+        from chatapp.kernels.pool import pool
+        from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
+
+        T = int(tokens.shape[0])
+        KVH, D, L = self.n_kv_heads, self.head_dim, len(self.layers)
+        emb = self.embed(tokens)
+        emb = emb.astype(mx.float32) if emb.dtype != mx.float32 else emb
+        mx.eval(emb)
+        x = np.array(emb, np.float32)  # the kernel updates it in place
+        held, n_cached = self._cache_buffers(caches, T)
+        cos, sin = rope_table(n_cached, T, self.inv_freq)
+        hd, kd = self.n_heads * D, KVH * D
+        k_out, v_out = np.empty((L, T, kd), np.float32), np.empty((L, T, kd), np.float32)
+        pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
+                         self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
+                         self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
+                         np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
+                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32))
+        del held
+        k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+        v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+        for i, c in enumerate(caches):
+            c.update_and_fetch(k_new[i][None], v_new[i][None])
+        return self._head(x[-1])
 
 
 def _plain_caches(cache, n_layers: int) -> bool:
@@ -262,6 +317,9 @@ def _plain_caches(cache, n_layers: int) -> bool:
 
 
 _FUSED_CLASSES: dict[type, type] = {}
+# longest chunk the fused prefill takes (its scratch is a few [T, hidden] float32 arrays);
+# the session's chunks are 512 tokens at most
+PREFILL_MAX_TOKENS = 1024
 
 
 def _fused_class(base: type) -> type:
@@ -269,11 +327,15 @@ def _fused_class(base: type) -> type:
     if cls is None:
         def __call__(self, inputs, cache=None, **kwargs):
             dec = getattr(self, "_chatapp_fused", None)
-            if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.shape == (1, 1)
-                    and _plain_caches(cache, len(dec.layers))):
-                token = int(inputs.item())
-                logits = dec.step(token, cache)
-                return mx.array(logits).reshape(1, 1, -1)
+            if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.ndim == 2
+                    and inputs.shape[0] == 1 and _plain_caches(cache, len(dec.layers))):
+                if inputs.shape[1] == 1:
+                    token = int(inputs.item())
+                    logits = dec.step(token, cache)
+                    return mx.array(logits).reshape(1, 1, -1)
+                if dec.prefill_chunks and 1 < inputs.shape[1] <= PREFILL_MAX_TOKENS and last_position_wanted():
+                    # a prefill chunk whose caller reads the last position's logits only
+                    return mx.array(dec.prefill(inputs[0], cache)).reshape(1, 1, -1)
             return base.__call__(self, inputs, cache=cache, **kwargs)
 
         cls = type(f"Fused{base.__name__}", (base,), {"__call__": __call__, "_chatapp_base": base})
@@ -287,7 +349,7 @@ def numerics_line(numerics: str) -> str:
         return "numerics exact (float32 activations)"
     from chatapp.kernels.int8dot import ISA, ISA_NAMES
 
-    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]})"
+    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]}; the last layer exact)"
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
@@ -302,12 +364,14 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
         from cache import CacheSettings, PreallocKVCache
 
         settings = CacheSettings()
-        dec.step(0, [PreallocKVCache(settings) for _ in dec.layers])
+        scratch = [PreallocKVCache(settings) for _ in dec.layers]
+        dec.prefill(mx.array([0, 0]), scratch)
+        dec.step(0, scratch)
     object.__setattr__(model, "_chatapp_fused", dec)
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))
     return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
-            f"{numerics_line(numerics)}")
+            f"prefill chunks: one native call each (float32); {numerics_line(numerics)}")
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:
@@ -316,6 +380,12 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         model.__class__ = base
     if "_chatapp_fused" in getattr(model, "__dict__", {}):
         object.__delattr__(model, "_chatapp_fused")
+
+
+def steps_synchronously(model) -> bool:
+    """Whether ``model``'s single-token steps compute inside the call (the fused step) rather
+    than building a lazy graph: the session then reads each token before starting the next step."""
+    return getattr(model, "_chatapp_fused", None) is not None and is_fused(model)
 
 
 def is_fused(model: nn.Module) -> bool:

@@ -62,6 +62,11 @@ def last_position_only() -> Iterator[None]:
         _last_position_only.reset(token)
 
 
+def last_position_wanted() -> bool:
+    """Whether the caller runs inside ``last_position_only`` (only ``logits[:, -1]`` is read)."""
+    return _last_position_only.get()
+
+
 @dataclass(eq=False)
 class Route:
     """Per-layer state, kept outside the module's parameter tree (no mx.array attributes)."""

@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from chatapp.bench.cpu_flagship import add_flagship_arguments
 
     add_flagship_arguments(p)
+    from chatapp.bench.cpu_gguf import add_model_arguments
+
+    add_model_arguments(p)
 
 
 class _NullTokenizer:
@@ -208,6 +211,10 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model:
+        from chatapp.bench.cpu_gguf import run_gguf
+
+        return run_gguf(args)
     if args.geometry == "llama2-7b":
         from chatapp.bench.cpu_flagship import run_flagship
 

@@ -93,18 +93,19 @@ def _prompt_ids(n: int) -> list[int]:
     return ids[:n]
 
 
-def _run_peer(peer: str, spec: dict, log) -> dict:
+def _run_peer(peer: str, spec: dict, log, module: str = "chatapp.bench.cpu_peer", describe=None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
         t = time.perf_counter()
-        out = subprocess.run([sys.executable, "-m", "chatapp.bench.cpu_peer", peer, f.name], capture_output=True,
+        out = subprocess.run([sys.executable, "-m", module, peer, f.name], capture_output=True,
                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
         if out.returncode != 0:
             raise RuntimeError(f"{peer} failed: "
                                f"{out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}")
         res = json.loads(out.stdout.strip().splitlines()[-1])
         rates = "" if spec.get("load_only") else (
+            f" ({describe(res)})" if describe else
             f" (decode {res.get('decode_tok_s', 0):.2f} tok/s, prefill {res.get('prefill_tok_s', 0):.1f} tok/s)")
         log(f"# {peer}{' (load only)' if spec.get('load_only') else ''}: "
             f"done in {time.perf_counter() - t:.0f} s{rates}")

@@ -1,7 +1,7 @@
 """`chatapp bench numerics`: what ``cpu.numerics = fast`` costs in quality and gains in speed.
 
-A Llama GGUF (default: SmolLM2-135M Q4_1 from ../shared) is read with ``mx.load`` into mlx-lm's
-Llama (a minimal reader for this bench only: the app's GGUF loader is on another branch), given
+A Llama GGUF (default: SmolLM2-135M Q4_1 from ../shared) is read into mlx-lm's
+Llama by the app's own GGUF loader (chatapp.model.gguf), given
 the CPU fast path twice in one process, exact and fast, and then:
 
 - quality: a long English text (default: ../shared/docs/architecture.md) teacher-forced one token
@@ -23,11 +23,6 @@ SHARED = Path(__file__).resolve().parents[3] / "shared"
 DEFAULT_MODEL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TEXT = SHARED / "docs" / "architecture.md"
 
-_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL),
                    help="a Llama GGUF with 4-bit weights (default SmolLM2-135M Q4_1)")
@@ -39,56 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
 
 
-def _tokenizer(meta: dict):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
-
-
 def load_gguf_llama(path: str):
-    """(mlx-lm Llama with float32 norms/scales, GGUF metadata)."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models.llama import Model, ModelArgs
+    """(model, tokenizer) through the app's own GGUF loader (chatapp.model.gguf: its RoPE layout,
+    tokenizer and per-layer bit widths), scales kept as stored for the CPU kernels."""
+    from chatapp.model.loader import load_model
 
-    w, meta = mx.load(path, return_metadata=True)
-    if str(meta.get("general.architecture")) != "llama":
-        raise SystemExit(f"{path}: not a llama GGUF")
-
-    def num(key):
-        return meta[f"llama.{key}"].item()
-
-    args = ModelArgs(model_type="llama", hidden_size=num("embedding_length"), num_hidden_layers=num("block_count"),
-                     intermediate_size=num("feed_forward_length"), num_attention_heads=num("attention.head_count"),
-                     num_key_value_heads=num("attention.head_count_kv"),
-                     rms_norm_eps=float(num("attention.layer_norm_rms_epsilon")), vocab_size=num("vocab_size"),
-                     rope_theta=float(num("rope.freq_base")), rope_traditional=True,  # GGUF's Q/K row order
-                     tie_word_embeddings="output.weight" not in w)
-    model = Model(args)
-    def bits(key, width):  # from the packed shape: uint32 words x 32 bits / elements
-        return w[key].shape[1] * 32 // width
-
-    ebits = bits("token_embd.weight", args.hidden_size)
-    nn.quantize(model, group_size=32, bits=4,
-                class_predicate=lambda p, m: p != "model.embed_tokens" and hasattr(m, "to_quantized"))
-    nn.quantize(model, group_size=32, bits=ebits, class_predicate=lambda p, m: p == "model.embed_tokens")
-    out = {}
-    for k, v in w.items():
-        name = k.replace("token_embd.", "model.embed_tokens.", 1).replace("output_norm.", "model.norm.", 1)
-        if name.startswith("output."):
-            name = "lm_head." + name[len("output."):]
-        elif name.startswith("blk."):
-            _, layer, kind, leaf = name.split(".", 3)
-            name = f"model.layers.{layer}.{_NAMES[kind]}.{leaf}"
-        out[name] = v.astype(mx.float32) if v.dtype == mx.float16 else v
-    model.load_weights(list(out.items()))
-    mx.eval(model.parameters())
-    return model, meta
+    lm = load_model(path, cast_scales=False)
+    return lm.model, lm.tokenizer
 
 
 def _teacher_forced(model, ids: list[int]):
@@ -140,11 +92,11 @@ def run(args) -> int:
     load_start = loadavg()
     models = {}
     for numerics in ("exact", "fast"):
-        model, meta = load_gguf_llama(args.model)
+        model, tokenizer = load_gguf_llama(args.model)
         plan = apply_fast_path(model, backend="cpu", threads=args.threads, numerics=numerics)
         print(f"# {numerics}: {plan.fused_decode}", flush=True)
         models[numerics] = model
-    ids = _tokenizer(meta).encode(Path(args.text).read_text()).ids[: args.tokens]
+    ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
     ex, fa = logits["exact"], logits["fast"]
     rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(fa, ex))

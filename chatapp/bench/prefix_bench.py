@@ -67,11 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", help="cache mode (default auto)")
     p.add_argument("--no-fast-path", action="store_true", help="do not apply the CPU fast path")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", metavar="FILE", default=None,
+                   help="run this model (a GGUF file or model folder, loaded as the app loads it) instead of --models")
 
 
 def _load(name: str, args, tmp: Path) -> tuple[Any, Any, Any, str]:
     if name == "stories":
         return load_stories(args.stories)
+    if name == "model":  # --model: through the app's loader (scales as stored, as load_engine does)
+        from chatapp.model.loader import load_model
+        from chatapp.store.chat import ModelIdentity
+
+        lm = load_model(args.model, cast_scales=False)
+        desc = f"{lm.model_id} ({lm.format}): {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}"
+        return lm.model, lm.tokenizer, ModelIdentity.from_loaded(lm, args.model), desc
     from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
     from chatapp.store.chat import ModelIdentity
 
@@ -167,7 +176,7 @@ def _warm(model, tok, ident, args, data_dir: Path, system: str) -> dict:
 
 def run(args) -> int:
     blas = start_bench()
-    names = model_names(args.models, args.stories)
+    names = ["model"] if args.model else model_names(args.models, args.stories)
 
     rep = BenchReport("prefix: TTFT of a new conversation with a long system prompt, cold vs warm (median ms)",
                       ["model", "system tokens", "prompt tokens", "from store", "store MiB", "TTFT cold ms",

@@ -79,35 +79,45 @@ class StopMatcher:
 # ---- the token-level decode loop ----------------------------------------------------------------
 def decode_tokens(model, caches: list, logits: mx.array, sample: Callable[[mx.array], mx.array], max_tokens: int,
                   *, cancelled: Callable[[], bool] = lambda: False,
-                  observe: Callable[[mx.array], None] | None = None) -> Iterator[tuple[int, bool, int]]:
+                  observe: Callable[[mx.array], None] | None = None,
+                  sync: bool = False) -> Iterator[tuple[int, bool, int]]:
     """Sample from ``logits``, then step the model one token at a time over ``caches``
     (as mlx-lm's ``generate_step`` sits under ``stream_generate``).
 
-    Yields ``(token, fed, context)``: ``fed`` says the token went into the caches (every one but
-    the ``max_tokens``-th, whose successor is never needed), ``context`` the cache length its
+    Yields ``(token, fed, context)``: ``fed`` says the token goes into the caches (every one but
+    the ``max_tokens``-th, whose successor is never needed), ``context`` the cache length a
     step attended over. The next step is scheduled before a token is handed out, so the model
-    runs while the caller handles it. ``observe(y)`` sees each token fed back before the next
+    runs while the caller handles it. With ``sync`` (a native decode step, which runs inside
+    the model call rather than lazily) that would hold each token back by a whole step, so the
+    step runs when the caller asks for the next token instead: a token the caller stops at (an
+    end token) never enters the caches. ``observe(y)`` sees each token fed back before the next
     sample (repetition penalties); the loop ends, before scheduling another step, once
     ``cancelled()``. The caller stops reading at an end token or stop string, and after a token
     that was not fed.
     """
+    context = 0
+
+    def step(y: mx.array) -> mx.array:
+        nonlocal context
+        context = caches[0].offset + 1
+        nxt = model(y[None], cache=caches)[:, -1, :]
+        if observe is not None:
+            observe(y)
+        y_next = sample(nxt)
+        mx.async_eval(y_next)
+        return y_next
+
     y = sample(logits)
     mx.async_eval(y)
     n = 0
-    context = 0
     while not cancelled():
         fed = n + 1 < max_tokens
-        if fed:
-            # Schedule the next step before reading this token: the model runs while
-            # Python handles the current one (as mlx-lm's generate_step does).
-            context = caches[0].offset + 1
-            nxt = model(y[None], cache=caches)[:, -1, :]
-            if observe is not None:
-                observe(y)
-            y_next = sample(nxt)
-            mx.async_eval(y_next)
+        if fed and not sync:
+            y_next = step(y)  # runs while the caller handles this token
         yield y.item(), fed, context
         if not fed:
             return
+        if sync:
+            y_next = step(y)
         n += 1
         y = y_next

@@ -26,6 +26,7 @@ from cache import (
     total_usage,
 )
 from cache.settings import AUTO
+from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
 from chatapp.prompt.formats import PromptFormat
@@ -412,11 +413,14 @@ class Session:
         stops = StopMatcher(list(self.format.stop_strings))
         n, finish = 0, "length"
         t_last = None
-        steps = decode_tokens(self.model, self.caches, logits, sample, gen.max_tokens,
+        # A native decode step (backend.fused_decode) runs inside the model call rather than
+        # lazily: scheduled before a token is read, it would hold that token back by one step.
+        sync = steps_synchronously(self.model)
+        steps = decode_tokens(self.model, self.caches, logits, sample, gen.max_tokens, sync=sync,
                               cancelled=self._cancel.is_set, observe=observe if processors else None)
         for tok, fed, context in steps:
             now = time.perf_counter()
-            if fed:
+            if fed and not sync:
                 self.cached.append(tok)
             if n == 0:
                 stats.ttft = now - t0
@@ -440,6 +444,8 @@ class Session:
                 break
             if not fed:
                 break
+            if sync:
+                self.cached.append(tok)  # fed as the loop asks for the next one (an end token never is)
         else:
             finish = "cancelled"  # decode_tokens ends on its own only when cancelled
         detok.finalize()

@@ -41,6 +41,9 @@ from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 PHASES = 5
+# the bits of token_step's ``fast``: which products of a layer run on int8 activations
+FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
+FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
 # rows per claimed chunk: each claim and each done count moves a cache line between the cores
 # (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
 ROW_CHUNK = 48
@@ -177,7 +180,7 @@ def _silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, attn, act, fast=False):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, attn, act, fast=0):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -201,9 +204,11 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     gbuf = np.empty(ROW_CHUNK, np.float32)
     ubuf = np.empty(ROW_CHUNK, np.float32)
     xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32))
+    # fast: a bit per product group on int8 activations (FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN)
+    f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
 
     # 1. q, k, v rows (one phase over their rows together)
-    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
+    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_qkv, xq)
     n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 0, n1)
@@ -216,7 +221,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             s0, s1 = max(a, lo_), min(b, hi_)
             if s0 < s1:
                 _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
-                         False, fast, xq)
+                         False, f_qkv, xq)
         _done(ctl, 0)
     _barrier(ctl, 0, n1)
 
@@ -254,27 +259,27 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
-    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], fast, xq)
+    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq)
     n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 2, n3)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
-        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq)
         _done(ctl, 2)
     _barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
-    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], fast, xq)
+    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_gu, xq)
     n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 3, n4)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
-        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, fast, xq)
-        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, fast, xq)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq)
         for r in range(a, b):
             act[r] = _silu_mul(gbuf[r - a], ubuf[r - a])
         _done(ctl, 3)
@@ -282,14 +287,14 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
-             xsum[:hidden // group_size], fast, xq)
+             xsum[:hidden // group_size], f_down, xq)
     n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 4, n5)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
-        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, fast, xq)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq)
         _done(ctl, 4)
     _barrier(ctl, 4, n5)
 
@@ -312,15 +317,15 @@ CTL_SIZE = 2 * _LINE * PHASES
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, attn, act, fast=False):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, attn, act, fast):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
     w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
     kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
     capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
-    receive each layer's new V and roped K. fast: 4-bit rows against int8 activations
-    (``cpu.numerics = fast``, int8dot.py)."""
+    receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
+    4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
@@ -328,7 +333,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
-                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast)
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast[layer])
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

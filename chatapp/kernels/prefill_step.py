@@ -1,0 +1,304 @@
+"""A prefill chunk of a Llama-style model (T tokens, every layer) in one native call.
+
+Through MLX, a short prefill of SmolLM2-135M is glue, not arithmetic: per layer 7 products that
+each dequantise their whole weight to float32 in memory (400 MB written for 30 layers) before a
+numpy gemm, plus ~20 MLX ops and numpy conversions in between: a 31-token first turn took
+~400 ms where its 6 GFLOP need a fraction of that. ``prefill_step`` does what decode_step does
+for one token, for T of them: every pool thread runs the same call (``WorkPool.broadcast``) and
+claims chunks of each phase from atomic counters, with a barrier at each phase's end:
+
+    0. q, k, v rows     (a tile of ROW_TILE rows dequantised into cache-resident memory,
+                         then multiplied with every token: the weight is read once per chunk)
+    1. causal attention, one (query head, token block) per claim, over the cache's rows read
+       in place plus the chunk's own rows (RoPE of the keys it reads included)
+    2. x += o_proj(attn)
+    3. act = silu(gate(m)) * up(m)
+    4. x += down(act)
+
+The products are float32 throughout (the exact route's numbers, summed in another order than
+the BLAS): the tile holds each row de-interleaved (even elements, then odd, as the 4-bit
+nibbles lie), and the activations are permuted the same way once per phase, so each dot product
+runs over contiguous memory. The new K/V rows are not written into the cache here: the caller
+appends them through the cache's own ``update_and_fetch`` (as decode_step's caller does).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import carray, njit
+
+from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
+from .decode_step import _LINE, _barrier, _claim, _done, _f32_at, _rope, _silu_mul
+from .llvm import as_f32
+
+ROW_TILE = 16  # rows dequantised per claim: 16 x 1536 float32 = 96 KiB, inside L2
+TOKEN_BLOCK = 16  # query tokens per attention claim
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _dequant_tile(w, bits, group_size, r0, n, tile):  # pragma: no cover - jitted
+    """tile[i] = row r0 + i of w as float32, de-interleaved: elements 0, 2, 4, ... then 1, 3, ..."""
+    packed, scales, biases = w
+    half_k = tile.shape[1] // 2
+    hg = group_size // 2
+    for i in range(n):
+        r = r0 + i
+        lo = tile[i, :half_k]
+        hi = tile[i, half_k:]
+        for g in range(scales.shape[1]):
+            s = as_f32(scales[r, g])
+            m = as_f32(biases[r, g])
+            base = g * hg
+            if bits == 4:
+                for j in range(hg):
+                    b = packed[r, base + j]
+                    lo[base + j] = np.float32(b & 15) * s + m
+                    hi[base + j] = np.float32(b >> 4) * s + m
+            else:
+                for j in range(hg):
+                    lo[base + j] = np.float32(packed[r, 2 * (base + j)]) * s + m
+                    hi[base + j] = np.float32(packed[r, 2 * (base + j) + 1]) * s + m
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _put(dst, t, c, v, add):  # pragma: no cover - jitted
+    if add:
+        dst[t, c] += v
+    else:
+        dst[t, c] = v
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
+    """dst[t, col0 + i] (= or +=) tile[i] . xp[t] for i < n and every token t (xp permuted as
+    the tile is). Blocks of 4 rows x 2 tokens: 8 independent accumulators, 6 loads per 8 FMAs
+    (4 rows x 1 token reached 26 GFLOP/s on one core here, this 78, numpy's sgemm 80)."""
+    T = xp.shape[0]
+    K = xp.shape[1]
+    t = 0
+    while t < T:
+        pair = t + 1 < T
+        x0 = xp[t]
+        x1 = xp[t + 1] if pair else xp[t]
+        i = 0
+        while i + 4 <= n:
+            w0, w1, w2, w3 = tile[i], tile[i + 1], tile[i + 2], tile[i + 3]
+            a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+            for k in range(K):
+                u = x0[k]
+                v = x1[k]
+                a00 += w0[k] * u
+                a01 += w1[k] * u
+                a02 += w2[k] * u
+                a03 += w3[k] * u
+                a10 += w0[k] * v
+                a11 += w1[k] * v
+                a12 += w2[k] * v
+                a13 += w3[k] * v
+            c = col0 + i
+            _put(dst, t, c, a00, add)
+            _put(dst, t, c + 1, a01, add)
+            _put(dst, t, c + 2, a02, add)
+            _put(dst, t, c + 3, a03, add)
+            if pair:
+                _put(dst, t + 1, c, a10, add)
+                _put(dst, t + 1, c + 1, a11, add)
+                _put(dst, t + 1, c + 2, a12, add)
+                _put(dst, t + 1, c + 3, a13, add)
+            i += 4
+        while i < n:
+            w0 = tile[i]
+            a0 = a1 = np.float32(0.0)
+            for k in range(K):
+                a0 += w0[k] * x0[k]
+                a1 += w0[k] * x1[k]
+            _put(dst, t, col0 + i, a0, add)
+            if pair:
+                _put(dst, t + 1, col0 + i, a1, add)
+            i += 1
+        t += 2
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _permuted(src, norm_w, eps, xp):  # pragma: no cover - jitted
+    """xp[t] = (rms_norm(src[t]) * norm_w, or src[t] when norm_w is empty), de-interleaved."""
+    T, K = src.shape
+    half = K // 2
+    for t in range(T):
+        inv = np.float32(1.0)
+        if norm_w.shape[0]:
+            ss = np.float32(0.0)
+            for j in range(K):
+                ss += src[t, j] * src[t, j]
+            inv = np.float32(1.0) / np.sqrt(ss / np.float32(K) + eps)
+        for j in range(half):
+            a, b = src[t, 2 * j] * inv, src[t, 2 * j + 1] * inv
+            if norm_w.shape[0]:
+                a *= norm_w[2 * j]
+                b *= norm_w[2 * j + 1]
+            xp[t, j] = a
+            xp[t, half + j] = b
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # pragma: no cover - jitted
+    """dst (= or +=) xp @ w^T, tiles of ROW_TILE rows claimed one at a time; ends at the barrier."""
+    N = w[0].shape[0]
+    n_chunks = (N + ROW_TILE - 1) // ROW_TILE
+    while True:
+        c = _claim(ctl, phase, n_chunks)
+        if c < 0:
+            break
+        r0 = c * ROW_TILE
+        n = min(ROW_TILE, N - r0)
+        _dequant_tile(w, bits, group_size, r0, n, tile)
+        _tile_times(tile, n, xp, dst, r0, add)
+        _done(ctl, phase)
+    _barrier(ctl, phase, n_chunks)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
+                  cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
+                  scale, q, k_raw, k_new, v_new, attn, act):  # pragma: no cover - jitted
+    """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
+
+    w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
+    the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
+    buffers, n_cached rows held. Outputs: k_new (roped) and v_new [T, kv_heads * D] for the
+    caller to append; q [T, heads * D], k_raw [T, kv_heads * D] (keys before RoPE), attn
+    [T, heads * D], act [T, hidden] are shared scratch."""
+    T, dim = x.shape
+    D = cos.shape[1] * 2
+    hidden = wg[0].shape[0]
+    G = n_heads // n_kv_heads
+    ka = n_heads * D
+    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream)
+    xp_d, xp_a, xp_h = np.empty((T, dim), np.float32), np.empty((T, ka), np.float32), np.empty((T, hidden), np.float32)
+    tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
+    tile_h = np.empty((ROW_TILE, hidden), np.float32)
+    no_norm = np.empty(0, np.float32)
+
+    # 0. q, k, v: one phase over the row tiles of the three weights
+    _permuted(x, attn_norm, eps, xp_d)
+    nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
+    cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
+    n0 = cq + ck + (nv + ROW_TILE - 1) // ROW_TILE
+    while True:
+        c = _claim(ctl, 0, n0)
+        if c < 0:
+            break
+        if c < cq:
+            w, wb, dst, r0 = wq, bits[0], q, c * ROW_TILE
+        elif c < cq + ck:
+            w, wb, dst, r0 = wk, bits[1], k_raw, (c - cq) * ROW_TILE
+        else:
+            w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
+        n = min(ROW_TILE, w[0].shape[0] - r0)
+        _dequant_tile(w, wb, group_size, r0, n, tile_d)
+        _tile_times(tile_d, n, xp_d, dst, r0, False)
+        _done(ctl, 0)
+    _barrier(ctl, 0, n0)
+
+    # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t. Each
+    # claim ropes the keys it reads into its own buffer (the raw keys stay shared and unchanged);
+    # the claim of each KV group's first head and last token block, which ropes them all,
+    # hands them to the caller.
+    n_blocks = (T + TOKEN_BLOCK - 1) // TOKEN_BLOCK
+    n_units = n_heads * n_blocks
+    s = np.empty(n_cached + T, np.float32)
+    o = np.empty(D, np.float32)
+    qr = np.empty(D, np.float32)
+    kr = np.empty((T, D), np.float32)
+    while True:
+        u = _claim(ctl, 1, n_units)
+        if u < 0:
+            break
+        h, blk = u // n_blocks, u % n_blocks
+        kh = h // G
+        t_end = min(T, (blk + 1) * TOKEN_BLOCK)
+        for j in range(t_end):
+            kr[j] = k_raw[j, kh * D:(kh + 1) * D]
+            _rope(kr[j], cos[j], sin[j], traditional)
+        if h % G == 0 and blk == n_blocks - 1:
+            for j in range(T):
+                k_new[j, kh * D:(kh + 1) * D] = kr[j]
+        kc = _rows(k_cache, kh, k_stride, n_cached, D)
+        vc = _rows(v_cache, kh, v_stride, n_cached, D)
+        for t in range(blk * TOKEN_BLOCK, t_end):
+            qr[:] = q[t, h * D:(h + 1) * D]
+            _rope(qr, cos[t], sin[t], traditional)
+            if n_cached:
+                _scores_full(qr, kc, scale, s[:n_cached])
+            for j in range(t + 1):
+                d = np.float32(0.0)
+                for e in range(D):
+                    d += qr[e] * kr[j, e]
+                s[n_cached + j] = d * scale
+            tot = _softmax_inplace(s[:n_cached + t + 1])
+            o[:] = 0.0
+            if n_cached:
+                _accumulate_full(s[:n_cached], vc, o)
+            for j in range(t + 1):
+                p = s[n_cached + j]
+                for e in range(D):
+                    o[e] += p * v_new[j, kh * D + e]
+            for e in range(D):
+                attn[t, h * D + e] = o[e] / tot
+        _done(ctl, 1)
+    _barrier(ctl, 1, n_units)
+
+    # 3. x += o_proj(attn)
+    _permuted(attn, no_norm, eps, xp_a)
+    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a)
+
+    # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
+    _permuted(x, mlp_norm, eps, xp_d)
+    gu = np.empty((T, ROW_TILE), np.float32)
+    uu = np.empty((T, ROW_TILE), np.float32)
+    n4 = (hidden + ROW_TILE - 1) // ROW_TILE
+    while True:
+        c = _claim(ctl, 3, n4)
+        if c < 0:
+            break
+        r0 = c * ROW_TILE
+        n = min(ROW_TILE, hidden - r0)
+        _dequant_tile(wg, bits[4], group_size, r0, n, tile_d)
+        _tile_times(tile_d, n, xp_d, gu, 0, False)
+        _dequant_tile(wu, bits[5], group_size, r0, n, tile_d)
+        _tile_times(tile_d, n, xp_d, uu, 0, False)
+        for t in range(T):
+            for i in range(n):
+                act[t, r0 + i] = _silu_mul(gu[t, i], uu[t, i])
+        _done(ctl, 3)
+    _barrier(ctl, 3, n4)
+
+    # 5. x += down(act)
+    _permuted(act, no_norm, eps, xp_h)
+    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h)
+
+
+# phases 0-4 above: a layer passes 5 barriers, as decode_step's does
+LAYER_CTL = 2 * _LINE * 5
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
+                 cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
+                 scale, q, k_raw, k_out, v_out, attn, act):  # pragma: no cover - jitted
+    """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
+    holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
+    takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V."""
+    for layer in range(bits.shape[0]):
+        k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
+        v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
+                      wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
+                      group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
+                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act)
+
+
+def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [n, D/2] for positions start .. start + n - 1 (as decode_step.rope_angles)."""
+    theta = np.arange(start, start + n, dtype=np.float32)[:, None] * inv_freq[None, :]
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)

@@ -1,0 +1,105 @@
+"""The fused prefill chunk (kernels/prefill_step.py: every layer of a T-token chunk in one native
+call) against MLX's own model: last-position logits, the K/V it leaves in the caches, and where
+it is not used."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cache import CacheSettings, make_caches  # noqa: E402
+from chatapp.backend.cpu import apply_fast_path  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
+from chatapp.backend.qlinear import last_position_only  # noqa: E402
+from chatapp.model.synthetic import LlamaShape  # noqa: E402
+from tests.test_fused_decode import SMOL, _close, _model, _no_leftover_kernels  # noqa: E402, F401
+
+SMALL = LlamaShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, intermediate_size=256, vocab_size=256)
+
+
+def _prefill(model, history: list[int], chunk: list[int], mode: str = "prealloc"):
+    """(last-position logits of ``chunk`` after ``history``, caches), as the session prefills."""
+    caches = make_caches(model, CacheSettings(mode=mode))
+    with last_position_only():
+        if history:
+            model(mx.array([history]), cache=caches)
+        out = model(mx.array([chunk]), cache=caches)[0, -1]
+    mx.eval(out)
+    return np.array(out), caches
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bits=st.sampled_from([4, 8]), group_size=st.sampled_from([32, 64]), traditional=st.booleans(),
+       cached=st.integers(0, 30), tokens=st.integers(2, 40), seed=st.integers(0, 3))
+def test_fused_prefill_matches_dequantize_then_matmul(bits, group_size, traditional, cached, tokens, seed):
+    ref = _model(bits, group_size, tied=False, traditional=traditional, seed=seed, shape=SMALL)
+    fast = _model(bits, group_size, tied=False, traditional=traditional, seed=seed, shape=SMALL)
+    apply_fast_path(fast, backend="cpu", warm_up=False)
+    assert is_fused(fast)
+    ids = [int(t) for t in mx.random.randint(0, 256, (cached + tokens,), key=mx.random.key(seed))]
+    (a, ca), (b, cb) = (_prefill(m, ids[:cached], ids[cached:]) for m in (ref, fast))
+    assert _close(b, a)
+    for x, y in zip(cb, ca):
+        assert x.offset == y.offset == cached + tokens
+        (kx, vx), (ky, vy) = x.full.view(), y.full.view()
+        assert _close(np.array(kx), np.array(ky)) and _close(np.array(vx), np.array(vy))
+
+
+def test_fused_prefill_is_taken_for_session_chunks_only(monkeypatch):
+    ref, fast = _model(shape=SMOL), _model(shape=SMOL)
+    apply_fast_path(fast, backend="cpu", warm_up=False)
+    calls = []
+    real = FusedDecoder.prefill
+    monkeypatch.setattr(FusedDecoder, "prefill", lambda self, t, c: calls.append(t.shape[0]) or real(self, t, c))
+    a, _ = _prefill(ref, [], list(range(20)))
+    b, _ = _prefill(fast, [], list(range(20)))
+    assert calls == [20] and _close(b, a)
+    # all positions' logits wanted (no last_position_only): MLX's route, every row computed
+    out = fast(mx.array([list(range(20))]), cache=make_caches(fast, CacheSettings()))
+    want = ref(mx.array([list(range(20))]), cache=make_caches(ref, CacheSettings()))
+    assert calls == [20] and out.shape == want.shape and _close(np.array(out), np.array(want))
+    # other cache modes keep MLX's route
+    _prefill(fast, [], list(range(20)), mode="window-quant")
+    assert calls == [20]
+
+
+def test_greedy_after_a_fused_prefill_equals_mlx():
+    ref, fast = _model(shape=SMOL, seed=2), _model(shape=SMOL, seed=2)
+    apply_fast_path(fast, backend="cpu", warm_up=False)
+    outs = []
+    for m in (ref, fast):
+        logits, caches = _prefill(m, list(range(7)), list(range(40, 71)))
+        toks = []
+        for _ in range(8):
+            toks.append(int(np.argmax(logits)))
+            logits = np.array(m(mx.array([[toks[-1]]]), cache=caches)[0, -1])
+        outs.append(toks)
+    assert outs[0] == outs[1]
+
+
+def test_fast_numerics_keeps_the_last_layer_exact_and_a_cleared_mask_is_exact():
+    from chatapp.kernels.decode_step import FAST_ALL
+
+    exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
+    apply_fast_path(exact, backend="cpu", warm_up=False)
+    plan = apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    dec = fast._chatapp_fused
+    assert list(dec.fast_mask) == [FAST_ALL] * (len(dec.layers) - 1) + [0]
+    assert "the last layer exact" in plan.fused_decode
+
+    def step_logits(m):
+        caches = make_caches(m, CacheSettings())
+        m(mx.array([[1, 2, 3, 4]]), cache=caches)
+        return np.array(m(mx.array([[5]]), cache=caches)[0, -1])
+
+    want, got_fast = step_logits(exact), step_logits(fast)
+    assert not np.array_equal(got_fast, want)  # int8 activations in layer 0 change the numbers
+    dec.fast_mask[:] = 0
+    assert np.array_equal(step_logits(fast), want)
