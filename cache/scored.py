@@ -41,8 +41,9 @@ SCORE_DECAY = 0.995  # per query; a horizon of ~200 queries
 
 
 def attend_scored(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                  mask: Any) -> tuple[mx.array, mx.array]:
-    """Attention over full-precision keys, and the attention mass each key received ([N])."""
+                  mask: Any, last: int = 0) -> tuple[mx.array, mx.array]:
+    """Attention over full-precision keys, and the attention mass each key received per KV head
+    ([kv_heads, N]); ``last`` > 0 counts only the step's last ``last`` queries."""
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     out_dtype = queries.dtype
@@ -54,8 +55,44 @@ def attend_scored(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
     p = mx.softmax(s, axis=-1, precise=True)
     out = p @ mx.expand_dims(values.astype(mx.float32), 2)
-    mass = p.sum(axis=(0, 1, 2, 3))
+    pm = p[..., -last:, :] if last else p
+    mass = pm.sum(axis=(0, 2, 3))
     return out.reshape(B, n_q, L, -1).astype(out_dtype), mass
+
+
+def attend_mixed_scored(queries: mx.array, parts: list, scale: float, mask: Any, bits: int, group_size: int,
+                        last: int = 0) -> tuple[mx.array, mx.array]:
+    """``attend_mixed`` over sinks | quantised middle | recent (MLX path, one joint softmax), and
+    the attention mass each key received per KV head ([kv_heads, N], sequence order)."""
+    B, n_q, L, D = queries.shape
+    out_dtype = queries.dtype
+    n_kv = parts[0][1].shape[1] if parts[0][0] == "full" else parts[0][1][0].shape[1]
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)
+    scores = []
+    for kind, k, _ in parts:
+        if kind == "full":
+            scores.append(q @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2))
+        else:
+            kq = [mx.expand_dims(x, 2) for x in k]
+            scores.append(mx.quantized_matmul(q, *kq, transpose=True, group_size=group_size, bits=bits))
+    s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    if isinstance(mask, str) or (mask is None and L > 1):
+        mask = causal_mask(L, s.shape[-1])
+    if mask is not None:
+        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
+    p = mx.softmax(s, axis=-1, precise=True)
+    out, start = None, 0
+    for (kind, _, v), sc in zip(parts, scores):
+        pi = p[..., start : start + sc.shape[-1]]
+        start += sc.shape[-1]
+        if kind == "full":
+            o = pi @ mx.expand_dims(v.astype(mx.float32), 2)
+        else:
+            vq = [mx.expand_dims(x, 2) for x in v]
+            o = mx.quantized_matmul(pi, *vq, transpose=False, group_size=group_size, bits=bits)
+        out = o if out is None else out + o
+    pm = p[..., -last:, :] if last else p
+    return out.reshape(B, n_q, L, -1).astype(out_dtype), pm.sum(axis=(0, 2, 3))
 
 
 def shift_each(repos: Repositioner, x: mx.array, deltas: mx.array) -> mx.array:
@@ -78,14 +115,26 @@ def shift_each(repos: Repositioner, x: mx.array, deltas: mx.array) -> mx.array:
     return y.astype(x.dtype)
 
 
+def _take(bufs, idx: mx.array) -> list[mx.array]:
+    return [mx.take(b, idx, axis=2) for b in bufs]
+
+
 class ScoredKVCache(SegmentedKVCache):
     """Sinks and a recent window always kept; past ``max_kv_tokens`` the least-attended middle
-    tokens are evicted, ``evict_chunk`` at a time, and the kept keys move to compact positions."""
+    tokens are evicted, ``evict_chunk`` at a time, and the kept keys move to compact positions.
+    With ``quantize`` (the ``scored-quant`` mode) the middle is held quantised."""
 
-    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
-        super().__init__(settings, sinks=settings.sinks, window=settings.window,
+    # The score (see the module docstring for why these): decay per query, queries counted per
+    # step (0: all), and how the per-KV-head scores are joined into one per token.
+    decay = SCORE_DECAY
+    last = 0
+    reduce = "sum"
+    value_weight = False
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None, quantize: bool = False):
+        super().__init__(settings, sinks=settings.sinks, window=settings.window, quantize=quantize,
                          budget=settings.budget, repositioner=repositioner)
-        self.scores = mx.zeros((0,), mx.float32)
+        self.scores: mx.array | None = None  # [kv_heads, held] in sequence order
         self.last_dropped: list[int] = []  # held indices the last eviction removed (tests, stats)
         # Trailing held tokens that follow each other in the conversation with nothing evicted
         # between them: only these can be trimmed and re-used token-exactly (the engine asks).
@@ -100,23 +149,43 @@ class ScoredKVCache(SegmentedKVCache):
     def absorb(self, keys: mx.array, values: mx.array) -> None:
         super().absorb(keys, values)
         self._tail += keys.shape[2]
-        self._fit_scores()
+        self._fit_scores(keys.shape[1])
 
-    def _fit_scores(self) -> None:
+    def _fit_scores(self, heads: int | None = None) -> None:
         """New tokens start at zero (they sit in the protected recent window while they gather mass)."""
-        n = self.full.length - self.scores.shape[0]
+        held = self._held()
+        if self.scores is None:
+            if heads is None:
+                return
+            self.scores = mx.zeros((heads, 0), mx.float32)
+        n = held - self.scores.shape[1]
         if n > 0:
-            self.scores = mx.concatenate([self.scores, mx.zeros((n,), mx.float32)])
+            self.scores = mx.concatenate([self.scores, mx.zeros((self.scores.shape[0], n), mx.float32)], axis=1)
         elif n < 0:
-            self.scores = self.scores[: self.full.length]
+            self.scores = self.scores[:, :held]
+
+    def token_scores(self) -> mx.array:
+        """One score per held token ([held]): the per-head scores joined by ``reduce``."""
+        if self.scores is None:
+            return mx.zeros((self._held(),), mx.float32)
+        return self.scores.max(axis=0) if self.reduce == "max" else self.scores.sum(axis=0)
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         if self._awaiting_attend:
             self._awaiting_attend, self._dispatched = False, True
         k, v = self.full.view()
-        out, mass = attend_scored(queries, k, v, scale, mask)
-        self._fit_scores()
-        self.scores = self.scores * (SCORE_DECAY ** queries.shape[2]) + mass
+        if not self._quant_len():
+            out, mass = attend_scored(queries, k, v, scale, mask, self.last)
+        else:
+            s = self.sinks
+            parts = [("full", k[..., :s, :], v[..., :s, :]), ("quant", *self.quant.packed()),
+                     ("full", k[..., s:, :], v[..., s:, :])]
+            out, mass = attend_mixed_scored(queries, parts if s else parts[1:], scale, mask,
+                                            self.quant.bits, self.quant.group_size, self.last)
+        self._fit_scores(k.shape[1])
+        if self.value_weight and not self._quant_len():
+            mass = mass * mx.sqrt((v.astype(mx.float32) ** 2).sum(axis=-1))[0]
+        self.scores = self.scores * (self.decay ** queries.shape[2]) + mass
         return mx.depends(out, self.scores)
 
     def trim(self, n: int) -> int:
@@ -128,7 +197,16 @@ class ScoredKVCache(SegmentedKVCache):
     def evictable(self) -> tuple[int, int]:
         """The [start, end) range of held tokens the policy may evict (the middle)."""
         s = min(self.sinks, self.full.length)
-        return s, max(s, self.full.length - (self.window or 0))
+        return s, max(s, self._held() - (self.window or 0))
+
+    def _maintain(self) -> None:
+        self._pending = False
+        if self._flush_due():
+            self._flush(self._recent() - (self.window or 0))
+        if self._evict_due():
+            if self.quant is not None and self._recent() > (self.window or 0):
+                self._flush(self._recent() - (self.window or 0))  # the whole middle is quantised
+            self._evict(self._held() - self.budget)
 
     def _evict(self, n: int) -> None:
         """Drop the ``n`` least-attended middle tokens; each kept key moves back by the number of
@@ -137,8 +215,8 @@ class ScoredKVCache(SegmentedKVCache):
         n = min(n, end - start)
         if n <= 0:
             return
-        held = self.full.length
-        mid = self.scores[start:end].tolist()
+        held = self._held()
+        mid = self.token_scores()[start:end].tolist()
         # Least mass first; ties (e.g. tokens absorbed by a conversion, all at zero) go to the
         # oldest, so with no scores the policy is the window's. Once per chunk, in Python.
         drop = set(sorted(range(len(mid)), key=lambda i: (mid[i], i))[:n])
@@ -151,37 +229,80 @@ class ScoredKVCache(SegmentedKVCache):
                 keep.append(i)
                 deltas.append(-gone)
         idx, deltas = mx.array(keep, mx.int32), mx.array(deltas, mx.int32)
-        k, v = self.full.view()
-        k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-        k = shift_each(self.repos, k, deltas)
-        self.scores = self.scores[idx]
-        self.full.trim(held)
-        self.full.append(k, v)
+        if self.quant is None:
+            k, v = self.full.view()
+            k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
+            k = shift_each(self.repos, k, deltas)
+            self.full.trim(held)
+            self.full.append(k, v)
+        else:
+            self._evict_quantised(idx, deltas, start)
+        self.scores = self.scores[:, idx]
         self.evicted += n
         self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
 
-    # ---- persistence: [keys, values, scores], so a restored cache evicts as the saved one would
+    def _evict_quantised(self, idx: mx.array, deltas: mx.array, start: int) -> None:
+        """Evict from the quantised middle (all evictable tokens are there, see _maintain).
+
+        Values are taken as stored. Keys before the first evicted token keep their packed
+        form; those after it are dequantised, moved each by its own delta and quantised again
+        (the one lossy step: a kept key is re-quantised once per eviction that passes it)."""
+        q, s = self.quant, start
+        nq = q.length
+        first = self.last_dropped[0] - s  # middle index of the first evicted token
+        pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
+        keep = [i for i, _ in pairs]
+        if not keep:
+            q.keys = q.values = None
+            q.length, q._held_view = 0, None
+        else:
+            packed_k, packed_v = q.packed()
+            before = [i for i in keep if i < first]
+            after = [(i, d) for i, d in pairs if i > first]
+            parts = []
+            if before:
+                parts.append(_take(packed_k, mx.array(before, mx.int32)))
+            if after:
+                kd = mx.dequantize(*_take(packed_k, mx.array([i for i, _ in after], mx.int32)),
+                                   group_size=q.group_size, bits=q.bits)
+                kd = shift_each(self.repos, kd, mx.array([d for _, d in after], mx.int32))
+                parts.append(list(mx.quantize(kd, group_size=q.group_size, bits=q.bits)))
+            q.keys = [mx.concatenate([p[j] for p in parts], axis=2) for j in range(3)] if len(parts) > 1 else parts[0]
+            q.values = _take(packed_v, mx.array(keep, mx.int32))
+            q.length, q._held_view = len(keep), None
+        # the recent window after the middle moves back by all the tokens evicted
+        self.full.rotate(self.sinks, -(nq - len(keep)), self.repos)
+
+    # ---- persistence: the segmented state plus the scores, so a restored cache evicts as the
+    # saved one would: [keys, values(, 6 quantised arrays), scores]
     @property
     def state(self):
         if self._pending:  # settle first: a restore would, and the scores must match the tokens
             self._maintain()
         if not self._held():
             return []
-        k, v = self.full.view()
-        return [k, v, self.scores]
+        self._fit_scores(self.full.view()[0].shape[1])
+        return [*SegmentedKVCache.state.fget(self), self.scores]
 
     @state.setter
     def state(self, v):
         v = list(v)
-        if len(v) not in (0, 2, 3):
-            raise CacheStateError(f"expected 0, 2 or 3 state arrays for scored, got {len(v)}")
-        SegmentedKVCache.state.fset(self, v[:2])
-        self.scores = mx.zeros((0,), mx.float32)
-        if len(v) == 3:
-            if v[2].ndim != 1 or v[2].shape[0] != self.full.length:
-                raise CacheStateError(f"scores of shape {tuple(v[2].shape)} do not fit {self.full.length} tokens")
-            self.scores = v[2].astype(mx.float32)
-        self._fit_scores()
+        if len(v) not in (0, 2, 3, 8, 9):
+            raise CacheStateError(f"expected 0, 2, 3, 8 or 9 state arrays for {self.mode}, got {len(v)}")
+        scores = v.pop() if len(v) in (3, 9) else None
+        SegmentedKVCache.state.fset(self, v)
+        self.scores = None
+        if v:
+            heads, held = v[0].shape[1], self._held()
+            if scores is not None and scores.ndim == 1:  # saved before scores were kept per head
+                scores = mx.broadcast_to(scores[None] / heads, (heads, scores.shape[0]))
+            if scores is not None:
+                if scores.ndim != 2 or scores.shape != (heads, held):
+                    raise CacheStateError(f"scores of shape {tuple(scores.shape)} do not fit {heads} heads x "
+                                          f"{held} tokens")
+                self.scores = scores.astype(mx.float32)
+            self._fit_scores(heads)
+        self._pending = self._needs_maintenance()
 
     @property
     def meta_state(self):
@@ -203,11 +324,21 @@ class ScoredKVCache(SegmentedKVCache):
 
     def attention_sparsity(self) -> float | None:
         """Share of the accumulated attention mass on tokens the policy could evict (the middle)."""
-        if not self.full.length:
+        if not self._held() or self.scores is None:
             return None
         start, end = self.evictable()
-        total = self.scores.sum().item()
-        return self.scores[start:end].sum().item() / total if total > 0 else None
+        scores = self.scores.sum(axis=0)
+        total = scores.sum().item()
+        return scores[start:end].sum().item() / total if total > 0 else None
+
+
+class ScoredQuantKVCache(ScoredKVCache):
+    """``scored`` over a quantised middle: at the bytes of a full-precision window it holds
+    2-4x the tokens, and chooses which of them to keep by attention."""
+
+    def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
+        super().__init__(settings, repositioner, quantize=True)
 
 
 CACHE_CLASSES["scored"] = ScoredKVCache
+CACHE_CLASSES["scored-quant"] = ScoredQuantKVCache

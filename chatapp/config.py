@@ -70,7 +70,7 @@ CONFIG_FILE_NAME = "config.toml"
 # for the CLI and the UI.
 # cpu.numerics: the fused decode step's 4-bit products (backend/cpu.py validates against this too)
 NUMERICS = ("exact", "fast")
-CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
+CACHE_MODES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
 # The prompt formats ("auto" plus prompt.formats.FORMAT_NAMES).
 CHAT_FORMATS = ("auto", "template", "llama-2", "mistral", "chatml", "plain", "raw")
 
