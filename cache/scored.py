@@ -33,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 
 from .attention import causal_mask
-from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache
+from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
 from .rope import Repositioner
 from .settings import CacheSettings
 
@@ -130,6 +130,14 @@ class ScoredKVCache(SegmentedKVCache):
     last = 0
     reduce = "sum"
     value_weight = False
+    pool = 0  # experiment: average the token scores over +-pool neighbours (SnapKV's pooling)
+    gapped = False  # experiment: keep original positions (no re-rotation); offset = next absolute position
+
+    @property
+    def offset(self) -> int:
+        if self._pending:
+            self._maintain()
+        return self._held() + (self.evicted if self.gapped else 0)
 
     def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None, quantize: bool = False):
         super().__init__(settings, sinks=settings.sinks, window=settings.window, quantize=quantize,
@@ -166,9 +174,16 @@ class ScoredKVCache(SegmentedKVCache):
 
     def token_scores(self) -> mx.array:
         """One score per held token ([held]): the per-head scores joined by ``reduce``."""
-        if self.scores is None:
+        if self.scores is None or self.reduce == "none":
             return mx.zeros((self._held(),), mx.float32)
-        return self.scores.max(axis=0) if self.reduce == "max" else self.scores.sum(axis=0)
+        t = self.scores.max(axis=0) if self.reduce == "max" else self.scores.sum(axis=0)
+        if self.pool:
+            c = mx.concatenate([mx.zeros((1,), mx.float32), mx.cumsum(t)])
+            n = t.shape[0]
+            i = mx.arange(n)
+            lo, hi = mx.maximum(i - self.pool, 0), mx.minimum(i + self.pool + 1, n)
+            t = (c[hi] - c[lo]) / (hi - lo).astype(mx.float32)
+        return t
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         if self._awaiting_attend:
@@ -232,13 +247,15 @@ class ScoredKVCache(SegmentedKVCache):
         if self.quant is None:
             k, v = self.full.view()
             k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-            k = shift_each(self.repos, k, deltas)
+            if not self.gapped:
+                k = shift_each(self.repos, k, deltas)
             self.full.trim(held)
             self.full.append(k, v)
         else:
             self._evict_quantised(idx, deltas, start)
         self.scores = self.scores[:, idx]
         self.evicted += n
+        tally(self.evicted_by, self.mode, n)
         self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
 
     def _evict_quantised(self, idx: mx.array, deltas: mx.array, start: int) -> None:

@@ -91,6 +91,27 @@ class CacheSettings:
             return None
         return self.budget + self.evict_chunk + prefill_chunk - 1
 
+    def pinning(self, n: int) -> "CacheSettings":
+        """These settings with the first ``n`` tokens (the system prompt) never evicted.
+
+        The evicting modes keep their ``sinks`` forever, so pinning raises ``sinks`` to cover
+        them, within the same budget: at most half of it (and no more than the recent window,
+        which validate() asks), so the prompt never crowds out the recent turns. ``window``
+        gives the extra pinned tokens from its recent window (its budget is sinks + window);
+        the budgeted modes keep ``max_kv_tokens`` and shrink the window only where it no
+        longer fits. Modes that never evict are returned unchanged.
+        """
+        if not self.evicts or n <= self.sinks:
+            return self
+        budget = self.budget
+        if self.mode == "window":
+            keep = min(n, budget // 2)
+            return replace(self, sinks=keep, window=budget - keep) if keep > self.sinks else self
+        keep = min(n, budget // 2, self.window)
+        if keep <= self.sinks:
+            return self
+        return replace(self, sinks=keep, window=min(self.window, budget - keep))
+
     def with_(self, **changes) -> "CacheSettings":
         return replace(self, **changes)
 

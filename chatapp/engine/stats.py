@@ -32,6 +32,10 @@ class CacheView:
     # Scored mode: share of the recent attention mass (decayed, ~200 queries) that fell on tokens
     # the policy could evict (the middle, not sinks or recent window); None for other modes.
     attention_sparsity: float | None = None
+    # Tokens each policy (cache mode) has evicted / quantised in this conversation, across mode
+    # switches: {"window": 512, "scored-quant": 256}.
+    evicted_by_policy: dict[str, int] = field(default_factory=dict)
+    quantised_by_policy: dict[str, int] = field(default_factory=dict)
 
     @property
     def memory_share(self) -> float:
