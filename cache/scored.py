@@ -37,7 +37,9 @@ from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
 from .rope import Repositioner
 from .settings import CacheSettings
 
-SCORE_DECAY = 0.995  # per query; a horizon of ~200 queries
+SCORE_DECAY = 0.995  # per token attended since the last votes; a horizon of ~200 tokens
+OBSERVE = 16  # the last queries that vote at eviction time (SnapKV's observation window)
+POOL = 4  # a token's score is the mean over its +-POOL neighbours (spans, not scattered tokens)
 
 
 def attend_scored(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
@@ -124,20 +126,12 @@ class ScoredKVCache(SegmentedKVCache):
     tokens are evicted, ``evict_chunk`` at a time, and the kept keys move to compact positions.
     With ``quantize`` (the ``scored-quant`` mode) the middle is held quantised."""
 
-    # The score (see the module docstring for why these): decay per query, queries counted per
-    # step (0: all), and how the per-KV-head scores are joined into one per token.
+    # The score (the module docstring says why): the last ``observe`` queries vote at eviction
+    # time, earlier votes decay by ``decay`` per token since, and a token's score is the mean
+    # over its +-``pool`` neighbours.
     decay = SCORE_DECAY
-    last = 0
-    reduce = "sum"
-    value_weight = False
-    pool = 0  # experiment: average the token scores over +-pool neighbours (SnapKV's pooling)
-    gapped = False  # experiment: keep original positions (no re-rotation); offset = next absolute position
-
-    @property
-    def offset(self) -> int:
-        if self._pending:
-            self._maintain()
-        return self._held() + (self.evicted if self.gapped else 0)
+    observe = OBSERVE
+    pool = POOL
 
     def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None, quantize: bool = False):
         super().__init__(settings, sinks=settings.sinks, window=settings.window, quantize=quantize,
@@ -147,6 +141,10 @@ class ScoredKVCache(SegmentedKVCache):
         # Trailing held tokens that follow each other in the conversation with nothing evicted
         # between them: only these can be trimmed and re-used token-exactly (the engine asks).
         self._tail = 0
+        # The last ``observe`` queries (as the model rotated them) and their scale: the votes.
+        self._obs: mx.array | None = None
+        self._scale = 1.0
+        self._since = 0  # tokens attended since the scores were last brought up to date
 
     @property
     def contiguous_tail(self) -> int:
@@ -173,38 +171,54 @@ class ScoredKVCache(SegmentedKVCache):
             self.scores = self.scores[:, :held]
 
     def token_scores(self) -> mx.array:
-        """One score per held token ([held]): the per-head scores joined by ``reduce``."""
-        if self.scores is None or self.reduce == "none":
+        """One score per held token ([held]): summed over KV heads, averaged over neighbours."""
+        if self.scores is None:
             return mx.zeros((self._held(),), mx.float32)
-        t = self.scores.max(axis=0) if self.reduce == "max" else self.scores.sum(axis=0)
+        t = self.scores.sum(axis=0)
         if self.pool:
             c = mx.concatenate([mx.zeros((1,), mx.float32), mx.cumsum(t)])
-            n = t.shape[0]
-            i = mx.arange(n)
-            lo, hi = mx.maximum(i - self.pool, 0), mx.minimum(i + self.pool + 1, n)
+            i = mx.arange(t.shape[0])
+            lo, hi = mx.maximum(i - self.pool, 0), mx.minimum(i + self.pool + 1, t.shape[0])
             t = (c[hi] - c[lo]) / (hi - lo).astype(mx.float32)
         return t
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        if self._awaiting_attend:
-            self._awaiting_attend, self._dispatched = False, True
+        """The segmented cache's attention (the installed kernels serve it); the step's last
+        queries are kept as the next eviction's votes."""
+        out = super().attend(queries, scale, mask)
+        L = queries.shape[2]
+        q = queries if self._obs is None or L >= self.observe else mx.concatenate([self._obs, queries], axis=2)
+        self._obs = q[:, :, -self.observe:, :]
+        self._scale, self._since = scale, self._since + L
+        return out
+
+    def _votes(self) -> mx.array | None:
+        """Attention mass per KV head and held token ([kv_heads, held]) from the kept queries,
+        which are the last held tokens' (causal among themselves)."""
+        held = self._held()
+        if self._obs is None or not held or self._obs.shape[2] > held:
+            return None
+        mask = causal_mask(self._obs.shape[2], held)
         k, v = self.full.view()
         if not self._quant_len():
-            out, mass = attend_scored(queries, k, v, scale, mask, self.last)
-        else:
-            s = self.sinks
-            parts = [("full", k[..., :s, :], v[..., :s, :]), ("quant", *self.quant.packed()),
-                     ("full", k[..., s:, :], v[..., s:, :])]
-            out, mass = attend_mixed_scored(queries, parts if s else parts[1:], scale, mask,
-                                            self.quant.bits, self.quant.group_size, self.last)
-        self._fit_scores(k.shape[1])
-        if self.value_weight and not self._quant_len():
-            mass = mass * mx.sqrt((v.astype(mx.float32) ** 2).sum(axis=-1))[0]
-        self.scores = self.scores * (self.decay ** queries.shape[2]) + mass
-        return mx.depends(out, self.scores)
+            return attend_scored(self._obs, k, v, self._scale, mask)[1]
+        s = self.sinks
+        parts = [("full", k[..., :s, :], v[..., :s, :]), ("quant", *self.quant.packed()),
+                 ("full", k[..., s:, :], v[..., s:, :])]
+        return attend_mixed_scored(self._obs, parts if s else parts[1:], self._scale, mask,
+                                   self.quant.bits, self.quant.group_size)[1]
+
+    def _update_scores(self) -> None:
+        votes = self._votes()
+        if votes is None:
+            return
+        self._fit_scores(votes.shape[0])
+        self.scores = self.scores * (self.decay ** self._since) + votes
+        self._since = 0
 
     def trim(self, n: int) -> int:
         done = super().trim(n)
+        self._obs = None  # the voters may be among the trimmed tokens
         self._tail = max(0, self._tail - done)
         self._fit_scores()
         return done
@@ -231,6 +245,7 @@ class ScoredKVCache(SegmentedKVCache):
         if n <= 0:
             return
         held = self._held()
+        self._update_scores()
         mid = self.token_scores()[start:end].tolist()
         # Least mass first; ties (e.g. tokens absorbed by a conversion, all at zero) go to the
         # oldest, so with no scores the policy is the window's. Once per chunk, in Python.
@@ -247,13 +262,15 @@ class ScoredKVCache(SegmentedKVCache):
         if self.quant is None:
             k, v = self.full.view()
             k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-            if not self.gapped:
-                k = shift_each(self.repos, k, deltas)
+            k = shift_each(self.repos, k, deltas)
             self.full.trim(held)
             self.full.append(k, v)
         else:
             self._evict_quantised(idx, deltas, start)
+        self._fit_scores(self.full.view()[0].shape[1])
         self.scores = self.scores[:, idx]
+        if self._obs is not None:  # the voters sit in the recent window, which moved back by n
+            self._obs = self.repos.shift(self._obs, -n)
         self.evicted += n
         tally(self.evicted_by, self.mode, n)
         self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
@@ -290,8 +307,8 @@ class ScoredKVCache(SegmentedKVCache):
         # the recent window after the middle moves back by all the tokens evicted
         self.full.rotate(self.sinks, -(nq - len(keep)), self.repos)
 
-    # ---- persistence: the segmented state plus the scores, so a restored cache evicts as the
-    # saved one would: [keys, values(, 6 quantised arrays), scores]
+    # ---- persistence: the segmented state plus the scores and the voters, so a restored cache
+    # evicts as the saved one would: [keys, values(, 6 quantised arrays), scores(, queries)]
     @property
     def state(self):
         if self._pending:  # settle first: a restore would, and the scores must match the tokens
@@ -299,16 +316,19 @@ class ScoredKVCache(SegmentedKVCache):
         if not self._held():
             return []
         self._fit_scores(self.full.view()[0].shape[1])
-        return [*SegmentedKVCache.state.fget(self), self.scores]
+        extra = [self.scores] + ([self._obs] if self._obs is not None else [])
+        return [*SegmentedKVCache.state.fget(self), *extra]
 
     @state.setter
     def state(self, v):
         v = list(v)
-        if len(v) not in (0, 2, 3, 8, 9):
-            raise CacheStateError(f"expected 0, 2, 3, 8 or 9 state arrays for {self.mode}, got {len(v)}")
-        scores = v.pop() if len(v) in (3, 9) else None
-        SegmentedKVCache.state.fset(self, v)
-        self.scores = None
+        if len(v) not in (0, 2, 3, 4, 8, 9, 10):
+            raise CacheStateError(f"expected 0, 2-4 or 8-10 state arrays for {self.mode}, got {len(v)}")
+        n_seg = 0 if not v else (2 if len(v) < 8 else 8)
+        scores = v[n_seg] if len(v) > n_seg else None
+        obs = v[n_seg + 1] if len(v) > n_seg + 1 else None
+        SegmentedKVCache.state.fset(self, v[:n_seg])
+        self.scores, self._obs = None, None
         if v:
             heads, held = v[0].shape[1], self._held()
             if scores is not None and scores.ndim == 1:  # saved before scores were kept per head
@@ -318,33 +338,40 @@ class ScoredKVCache(SegmentedKVCache):
                     raise CacheStateError(f"scores of shape {tuple(scores.shape)} do not fit {heads} heads x "
                                           f"{held} tokens")
                 self.scores = scores.astype(mx.float32)
+            if obs is not None:
+                if obs.ndim != 4 or obs.shape[-1] != v[0].shape[-1] or not 0 < obs.shape[2] <= held:
+                    raise CacheStateError(f"saved queries of shape {tuple(obs.shape)} do not fit this cache")
+                self._obs = obs
             self._fit_scores(heads)
         self._pending = self._needs_maintenance()
 
     @property
     def meta_state(self):
-        return (*SegmentedKVCache.meta_state.fget(self), str(self._tail))
+        return (*SegmentedKVCache.meta_state.fget(self), str(self._tail), str(self._since), repr(self._scale))
 
     @meta_state.setter
     def meta_state(self, v):
         v = tuple(v)
-        if len(v) != 3:
-            raise CacheStateError(f"scored meta state must be (delta_q, evicted, contiguous_tail), got {v!r}")
+        if len(v) not in (3, 5):
+            raise CacheStateError(f"scored meta state must be (delta_q, evicted, contiguous_tail[, since, scale]), "
+                                  f"got {v!r}")
         SegmentedKVCache.meta_state.fset(self, v[:2])
         try:
             tail = int(v[2])
+            since, scale = (int(v[3]), float(v[4])) if len(v) == 5 else (0, 1.0)
         except (TypeError, ValueError):
-            raise CacheStateError(f"contiguous_tail must be an integer, got {v[2]!r}") from None
+            raise CacheStateError(f"contiguous_tail, since and scale must be numbers, got {v[2:]!r}") from None
         if not 0 <= tail <= self._held():
             raise CacheStateError(f"contiguous_tail {tail} is outside 0..{self._held()}")
-        self._tail = tail
+        self._tail, self._since, self._scale = tail, max(0, since), scale
 
     def attention_sparsity(self) -> float | None:
         """Share of the accumulated attention mass on tokens the policy could evict (the middle)."""
-        if not self._held() or self.scores is None:
+        votes = self._votes() if self._held() else None
+        if votes is None:
             return None
         start, end = self.evictable()
-        scores = self.scores.sum(axis=0)
+        scores = votes.sum(axis=0)
         total = scores.sum().item()
         return scores[start:end].sum().item() / total if total > 0 else None
 

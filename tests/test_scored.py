@@ -160,7 +160,7 @@ def test_attention_sparsity_is_the_middle_share_and_shown_in_the_status_bar():
     c = caches[0]
     share = c.attention_sparsity()
     start, end = c.evictable()
-    scores = c.scores.sum(axis=0)  # per KV head, summed
+    scores = c._votes().sum(axis=0)  # the last queries' attention, summed over KV heads
     want = scores[start:end].sum().item() / scores.sum().item()
     assert 0 < share < 1 and abs(share - want) < 1e-6
     items = status_items("m", "scored", None, CacheView(mode="scored", attention_sparsity=share))
