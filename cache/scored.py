@@ -1,29 +1,44 @@
-"""The attention-scored cache: keep the tokens attention uses (H2O / TOVA style eviction).
+"""The attention-scored caches: keep the tokens attention uses (H2O / TOVA / SnapKV style eviction).
 
-Layout and budget are the window modes' (sinks | middle | recent window, at most
-``max_kv_tokens`` after maintenance, eviction ``evict_chunk`` at a time), but when the budget is
-passed the tokens dropped are the middle tokens with the least *accumulated attention mass*
-instead of the oldest ones. Sinks and the recent window are never evicted.
+Two modes, one mechanism. ``scored``: layout and budget are the window modes' (sinks | middle |
+recent window, at most ``max_kv_tokens`` after maintenance, eviction ``evict_chunk`` at a time),
+but when the budget is passed the tokens dropped are the middle tokens with the lowest score
+instead of the oldest ones. ``scored-quant``: the same with the middle held quantised (as
+window-quant's), so at the KV bytes of a full-precision window it holds ~3.5x (8-bit) the
+tokens, and chooses among them by attention. Sinks (and the pinned system prompt, see
+CacheSettings.pinning) and the recent window are never evicted.
 
-Why a mode and not an option of window / window-quant: the window modes' middle is ordered by
+Why modes and not an option of window / window-quant: the window modes' middle is ordered by
 age (the quantised middle keeps a single rotation delta for all its keys, see kv.py), which is
 what lets them evict from the front without re-rotating quantised keys. Scored eviction removes
 tokens from anywhere in the middle, so every kept key after an evicted one moves by its own
-amount: a different mechanism (per-token re-rotation over a full-precision buffer, scores kept
-alongside), so a different class, chosen by name like the other mechanisms.
+amount (per-token re-rotation, ``shift_each``). In scored-quant the moved keys are dequantised,
+re-rotated and quantised again (values never move, so they are taken as stored): the one lossy
+step, once per eviction that passes a key; 8-bit measured better than 4-bit at equal bytes
+(SmolLM2, BENCHMARKS.md), so the bench's equal-bytes rows use 8.
 
-The score, per token and shared by all heads of a layer: ``score = decay ** L * score + mass``
-where ``mass`` is the attention probability the step's L queries gave the token, summed over
-query heads and queries. Shared rather than per KV head because the buffers are one contiguous
-[batch, kv_heads, tokens, head_dim] array: per-head eviction would make the token axis ragged.
-The decay (per query) keeps old tokens from winning only because more queries have seen them
-(H2O's bias towards the start); tokens that were recently useful stay.
-
-Scores come from the attention this cache computes anyway: ``attend`` runs the attention itself
-(scores, softmax, values, as attend_mixed does) and sums the probabilities; ``mx.depends`` ties
-the updated scores to the step's output, so they are evaluated with it and the probabilities
-are freed. The installed CPU decode / prefill kernels do not return probabilities, so the
-scored mode does not use them (the MLX path serves; documented in docs/).
+The score, and why (measured on SmolLM2-135M, KJV text, 1,536 tokens, budget 512, chunked
+teacher forcing; window 512: ppl 18.98 after 512, full cache 18.75):
+- Accumulated attention mass, summed over heads, decay 0.995 per query (the first version):
+  19.21 with a recent window of 128, *worse* with more of the budget given to the recent window
+  (19.28 at 256, 19.29 at 384), and no better with H2O's undecayed sum (19.34), TOVA's last
+  query (19.47), value-norm weighting (19.27) or the max over KV heads (19.28). With all scores
+  zero the policy is the window's and gives exactly window's 18.98, so the mechanics are right:
+  the choice of tokens was the loss.
+- What it lost to: scattered single tokens, moved to compact positions, read as garbled text.
+  Keeping original positions (gaps, no re-rotation) recovered part of it (19.04-19.08) but runs
+  positions past the trained context in a long chat; scoring *spans* recovered all of it: a
+  token's score averaged over its +-4 neighbours (SnapKV's pooling) gives 18.94, below window
+  (+-2: see BENCHMARKS.md; +-16 is too coarse, 19.06).
+- Votes from the last ``OBSERVE`` = 16 queries at eviction time (SnapKV's observation window)
+  measured the same as votes accumulated every step (19.29 against 19.28 unpooled), and need no
+  probabilities from the attention that runs every step: attention goes through the segmented
+  path, so the installed CPU decode / prefill kernels serve it, and decode costs what
+  window-quant's does. At eviction time one pass of the kept queries over the held keys
+  (``_votes``) gives the mass; earlier votes decay by 0.995 per token since.
+Scores are kept per KV head ([kv_heads, held]) and summed over heads when choosing: per-head
+eviction would make the token axis ragged (the buffers are one [batch, kv_heads, tokens,
+head_dim] array).
 """
 
 from __future__ import annotations

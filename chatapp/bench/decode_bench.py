@@ -68,7 +68,7 @@ from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_li
 DEFAULT_MODEL = str(Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit")
 BIG = "llama2-7b-geometry"
 TINY = "tiny"
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
+MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
 MLX_LM = "mlx-lm"
 NO_GAUGES = "prealloc, gauges off"
 

@@ -7,7 +7,9 @@ tokens) through ``cache.make_caches(model, settings)`` after a chunked prefill o
 conversation (chunks of ``evict_chunk``, as the Session prefills evicting caches); it counts as
 correct when it contains the fact. Rows: prealloc (everything held: the ceiling), then for each
 ``--budgets`` B window@B (sinks + window = B) and scored@B (max_kv_tokens = B, recent window
-B/4): both full precision, so equal budgets are equal KV bytes (the KV bytes column shows it).
+B/4): both full precision, so equal budgets are equal KV bytes (the KV bytes column shows it);
+with ``--budget-quant`` also window-quant@B and scored-quant@B, sized to the same bytes (recent
+window B/4 at full precision, the rest quantised: see quality_bench.equal_bytes_budget).
 
 Only meaningful on a real instruction model (SmolLM2, the default); ``--random`` runs a tiny
 random-weight model to check the plumbing.
@@ -21,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.quality_bench import SHARED, budget_list
+from chatapp.bench.quality_bench import SHARED, budget_list, equal_bytes_budget, model_itemsize, token_bytes
 
 DEFAULT_MODEL = str(SHARED / "smollm2-135m-instruct")
 TEXT = Path(__file__).resolve().parent / "texts" / "kjv-ruth-esther.txt"
@@ -39,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=budget_list, default=[512], help="comma list of token budgets (default 512)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--evict-chunk", type=int, default=64)
+    p.add_argument("--budget-quant", action="store_true",
+                   help="also rows window-quant@B and scored-quant@B at the KV bytes of B full-precision tokens")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=8, help="kv_bits of the --budget-quant rows")
+    p.add_argument("--cache-mode", default=None,
+                   help="comma list of row labels to run (e.g. prealloc,window@512,scored-quant@512); default all")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
@@ -112,6 +119,18 @@ def run(args) -> int:
         w = max(args.sinks, b // 4)
         rows.append((f"scored@{b}", CacheSettings(mode="scored", sinks=args.sinks, window=w, max_kv_tokens=b,
                                                   evict_chunk=args.evict_chunk)))
+        if args.budget_quant:
+            sizes = token_bytes(geom, model_itemsize(model), args.kv_bits, 64)
+            budget = equal_bytes_budget(b, w, args.sinks, args.evict_chunk, *sizes)
+            for mode in ("window-quant", "scored-quant"):
+                rows.append((f"{mode}@{b}", CacheSettings(mode=mode, sinks=args.sinks, window=w, max_kv_tokens=budget,
+                                                          evict_chunk=args.evict_chunk, kv_bits=args.kv_bits)))
+    if args.cache_mode:
+        wanted = [x.strip() for x in args.cache_mode.split(",") if x.strip()]
+        bad = [x for x in wanted if x not in {label for label, _ in rows}]
+        if bad:
+            raise SystemExit(f"--cache-mode: unknown rows {bad}; choose from {', '.join(label for label, _ in rows)}")
+        rows = [r for r in rows if r[0] in wanted]
     rep = BenchReport("recall: early facts asked for after filler, greedy answers per cache mode",
                       ["mode", "conversations", "correct", "fraction", "mean prompt tokens", "mean KV bytes held",
                        "seconds"])
