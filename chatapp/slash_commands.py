@@ -22,7 +22,7 @@ from typing import Any
 CACHE_KEYS = ("window", "sinks", "evict_chunk", "kv_bits", "kv_group_size", "max_kv_tokens",
               "quant_start", "chunk_size")
 SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty")
-MODE_NAMES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored")
+MODE_NAMES = ("auto", "concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
 
 
 class CommandError(ValueError):

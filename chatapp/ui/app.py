@@ -507,7 +507,7 @@ class ChatApp(App[int]):
         e = self.info.effective
         if self.mode == "window":
             return e.get("sinks", 0) + e.get("window", 0)
-        if self.mode in ("window-quant", "scored"):
+        if self.mode in ("window-quant", "scored", "scored-quant"):
             return e.get("max_kv_tokens")
         return None
 
@@ -786,7 +786,7 @@ class ChatApp(App[int]):
         yield SystemCommand("Toggle side panel", "F2: step-time chart, per-layer cache, mode table",
                             self.action_toggle_panel)
         yield SystemCommand("Next cache mode",
-                            "F3: cycle auto, concat, prealloc, quantized, window, window-quant, scored",
+                            "F3: cycle auto, concat, prealloc, quantized, window, window-quant, scored, scored-quant",
                             self.action_cycle_mode)
         yield SystemCommand("Cache mode…", "F4: choose the cache mode and its settings", self.action_mode_dialog)
         for mode in MODES:
