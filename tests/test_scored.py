@@ -220,3 +220,27 @@ def test_scored_quant_holds_more_tokens_than_scored_in_the_same_bytes():
     assert total_usage(sq).bytes_held <= total_usage(sc).bytes_held
     assert sq[0].offset >= 2 * sc[0].offset and sq[0].evicted > 0
     assert drop(list(range(5)), sq[0], 0) == list(range(5))
+
+
+def test_scores_are_the_last_queries_votes_pooled_over_neighbours():
+    """Eviction scores: the kept last queries' attention mass per KV head, added to the decayed
+    earlier votes, summed over heads and averaged over +-pool neighbours."""
+    from cache.scored import OBSERVE, POOL
+
+    model = tiny_llama(layers=1)
+    s = CacheSettings(mode="scored", sinks=4, window=24, evict_chunk=8, max_kv_tokens=56)
+    caches = make_caches(model, s)
+    decode(model, caches, random_ids(70, seed=6), prefill=20)
+    c = caches[0]
+    assert c._obs.shape[2] == OBSERVE
+    before = c.scores
+    votes = c._votes()
+    want = before * (c.decay ** c._since) + votes
+    c._update_scores()
+    assert mx.allclose(c.scores, want).item() and c._since == 0
+    t = c.scores.sum(axis=0).tolist()
+    pooled = c.token_scores().tolist()
+    for i in (0, 10, len(t) - 1):
+        near = t[max(0, i - POOL): i + POOL + 1]
+        assert abs(pooled[i] - sum(near) / len(near)) < 1e-4
+    assert abs(sum(votes.sum(axis=0).tolist()) - OBSERVE * 8) < 1e-2  # 8 query heads, rows sum to one
