@@ -52,13 +52,15 @@ def test_the_system_prompt_is_never_evicted(mode):
     ref = make_caches(model, CacheSettings(mode="prealloc"))
     model(mx.array([sys_ids]), cache=ref)
     for i in range(4):
-        run_turn(s.send(f"Question {i}: please tell me something about the number {i} and its friends."))
+        done = run_turn(s.send(f"Question {i}: please tell me something about the number {i} and its friends."))
         for c, r in zip(s.caches, ref):
             k, v = c.content()
             rk, rv = r.content()
             assert mx.array_equal(k[:, :, :n], rk).item() and mx.array_equal(v[:, :, :n], rv).item()
     view = s.cache_view()
     assert view.evicted > 0 and view.evicted_by_policy == {mode: view.evicted}
+    js = done.stats.to_json(with_steps=False)["cache"]  # what --stats-json writes
+    assert js["evicted_by_policy"] == {mode: view.evicted} and "quantised_by_policy" in js
     if "quant" in mode:
         assert view.quantised_by_policy.get(mode, 0) >= view.quant_tokens > 0
 
