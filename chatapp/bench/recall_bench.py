@@ -46,6 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-bits", type=int, choices=(4, 8), default=8, help="kv_bits of the --budget-quant rows")
     p.add_argument("--cache-mode", default=None,
                    help="comma list of row labels to run (e.g. prealloc,window@512,scored-quant@512); default all")
+    p.add_argument("--fast-path", action="store_true",
+                   help="run through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
@@ -105,8 +107,12 @@ def run(args) -> int:
     else:
         from chatapp.model.loader import load_model
 
-        lm = load_model(args.model)
+        lm = load_model(args.model, cast_scales=not args.fast_path)  # the fast path keeps float16 scales
         model, tokenizer, desc = lm.model, lm.tokenizer, lm.model_id
+        if args.fast_path:
+            from chatapp.bench.common import fast_path
+
+            desc += f"; CPU fast path: {fast_path(model, off=False)}"
     geom = model_geometry(model)
     words = TEXT.read_text(encoding="utf-8").split()
     rng = random.Random(args.seed)
