@@ -205,7 +205,9 @@ class ScoredKVCache(SegmentedKVCache):
         q = queries if self._obs is None or L >= self.observe else mx.concatenate([self._obs, queries], axis=2)
         self._obs = q[:, :, -self.observe:, :]
         self._scale, self._since = scale, self._since + L
-        return out
+        # Evaluated with the step's output: left lazy, each step's kept queries would hold the
+        # graph of the step before (a chain as long as the time to the next eviction).
+        return mx.depends(out, self._obs)
 
     def _votes(self) -> mx.array | None:
         """Attention mass per KV head and held token ([kv_heads, held]) from the kept queries,

@@ -30,6 +30,10 @@ TEXT = Path(__file__).resolve().parent / "texts" / "kjv-ruth-esther.txt"
 NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
 PLACES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Kyoto", "Dublin", "Cairo", "Quebec", "Perth", "Zagreb"]
 ASKS = {"name": "What is my name?", "number": "What is my favourite number?", "place": "Which city do I live in?"}
+# The start of the assistant's answer, given with the prompt (``--prime``): SmolLM2-135M answers a
+# bare question with "I'm sorry, I'm not familiar with ..." even with the whole conversation held,
+# but completes a started answer from the conversation.
+PRIMERS = {"name": "Your name is", "number": "Your favourite number is", "place": "You live in"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of row labels to run (e.g. prealloc,window@512,scored-quant@512); default all")
     p.add_argument("--fast-path", action="store_true",
                    help="run through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
+    p.add_argument("--prime", action="store_true",
+                   help="start the assistant's answer (\"Your name is\", ...) so a small model completes it")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
@@ -63,7 +69,7 @@ def conversation(rng: random.Random, words: list[str], turns: int, per_turn: int
         msgs.append({"role": "assistant", "content": "I have read it."})
     kind = rng.choice(sorted(ASKS))
     msgs.append({"role": "user", "content": ASKS[kind]})
-    return msgs, facts[kind]
+    return msgs, facts[kind], PRIMERS[kind]
 
 
 def render(tokenizer, msgs: list[dict]) -> list[int]:
@@ -117,7 +123,8 @@ def run(args) -> int:
     words = TEXT.read_text(encoding="utf-8").split()
     rng = random.Random(args.seed)
     convs = [conversation(rng, words, args.filler_turns, args.filler_words) for _ in range(args.conversations)]
-    prompts = [(render(tokenizer, m), fact) for m, fact in convs]
+    prompts = [(render(tokenizer, m) + (list(tokenizer.encode(primer))
+                                        if args.prime else []), fact) for m, fact, primer in convs]
     rows = [("prealloc", CacheSettings(mode="prealloc"))]
     for b in args.budgets:
         rows.append((f"window@{b}", CacheSettings(mode="window", sinks=args.sinks, window=b - args.sinks,
