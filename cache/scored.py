@@ -29,7 +29,7 @@ teacher forcing; window 512: ppl 18.98 after 512, full cache 18.75):
   Keeping original positions (gaps, no re-rotation) recovered part of it (19.04-19.08) but runs
   positions past the trained context in a long chat; scoring *spans* recovered all of it: a
   token's score averaged over its +-4 neighbours (SnapKV's pooling) gives 18.94, below window
-  (+-2: see BENCHMARKS.md; +-16 is too coarse, 19.06).
+  (+-16 is too coarse: 19.06; +-2 and +-8 were not measured).
 - Votes from the last ``OBSERVE`` = 16 queries at eviction time (SnapKV's observation window)
   measured the same as votes accumulated every step (19.29 against 19.28 unpooled), and need no
   probabilities from the attention that runs every step: attention goes through the segmented
