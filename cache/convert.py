@@ -46,6 +46,11 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
             new.absorb(k, v)
         new.evicted += evicted
         new.offset  # settle the target's policy (quantise, evict) before reporting on it
+        for name in ("evicted_by", "quantised_by"):  # the tallies go on from the source's
+            counts = dict(getattr(old, name, {}))
+            for mode, n in getattr(new, name).items():
+                counts[mode] = counts.get(mode, 0) + n
+            setattr(new, name, counts)
     mx.eval([c.state for c in target])
     lossy = had_quant or target[0].evicted > evicted or target[0].usage().quant_tokens > 0
     how = []

@@ -86,7 +86,7 @@ def _check_state(i: int, state: list, settings: CacheSettings, geom: ModelGeomet
             f"layer {i}: keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit this model's head_dim "
             f"({geom.head_dim})"
         )
-    if len(state) == 8:
+    if len(state) in (8, 9):
         packed_dim = geom.head_dim * settings.kv_bits // 32
         groups = geom.head_dim // settings.kv_group_size
         qk = state[2:5]

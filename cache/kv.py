@@ -25,6 +25,12 @@ from .settings import CacheSettings
 from .usage import CacheUsage
 
 
+def tally(counts: dict[str, int], mode: str, n: int) -> None:
+    """Add ``n`` tokens to ``mode``'s count (the per-policy evicted / quantised tallies)."""
+    if n:
+        counts[mode] = counts.get(mode, 0) + n
+
+
 class CacheStateError(ValueError):
     """Saved cache state that cannot be restored into this cache; the message says why."""
 
@@ -65,6 +71,8 @@ class ConcatKVCache(_CacheBase):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.evicted = 0
+        self.evicted_by: dict[str, int] = {}
+        self.quantised_by: dict[str, int] = {}
 
     @property
     def offset(self) -> int:
@@ -168,6 +176,10 @@ class SegmentedKVCache(_CacheBase):
         self.repos = repositioner
         self.delta_q = 0
         self.evicted = 0
+        # Tokens each policy evicted / quantised so far, by mode name (a conversion carries them
+        # over, see convert.py; a restore attributes the saved eviction count to the saved mode).
+        self.evicted_by: dict[str, int] = {}
+        self.quantised_by: dict[str, int] = {}
         self._pending = False
         # Whether this model routes attention through attend() (see attention.py): unknown until
         # seen. Until then update_and_fetch returns the full (dequantised) history, which is
@@ -317,6 +329,7 @@ class SegmentedKVCache(_CacheBase):
             k = self.repos.shift(k, self.delta_q)
         self.quant.append(k, v)
         self.full.remove(s, n)
+        tally(self.quantised_by, self.mode, n)
 
     def _evict(self, n: int) -> None:
         """Drop the ``n`` oldest non-sink tokens and move what follows back by ``n`` positions."""
@@ -329,6 +342,7 @@ class SegmentedKVCache(_CacheBase):
             self.full.remove(self.sinks, from_recent)
         self.full.rotate(self.sinks, -n, self.repos)
         self.evicted += n
+        tally(self.evicted_by, self.mode, n)
 
     # ---- persistence ----------------------------------------------------------------------
     @property
@@ -384,6 +398,7 @@ class SegmentedKVCache(_CacheBase):
         if delta_q and not self._quant_len():
             raise CacheStateError("a rotation delta (delta_q) without quantised tokens")
         self.delta_q, self.evicted = delta_q, evicted
+        self.evicted_by = {self.mode: evicted} if evicted else {}
 
     def load_state(self, state, meta_state) -> None:
         """Set ``state`` then ``meta_state`` (the order the checks need)."""

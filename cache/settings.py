@@ -10,17 +10,23 @@ The modes and what they mean:
   beyond ``max_kv_tokens`` the oldest non-sink tokens evicted with the same re-positioning.
 - ``scored``: sinks and a recent window always kept; beyond ``max_kv_tokens`` the middle tokens
   with the least accumulated attention are evicted and the kept keys re-positioned (scored.py).
+- ``scored-quant``: ``scored`` with the middle (past the recent window) held quantised, as
+  window-quant's: at equal KV bytes it holds 2-4x the tokens of scored or window.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored")
+MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
 # What a user may ask for: a mode, or "auto" (the session's policy: prealloc while short, a
 # window mode once long). The one list that config, CLI, UI, slash commands and benches use.
 AUTO = "auto"
 MODE_CHOICES = (AUTO, *MODES)
+# Which modes evict, quantise, and cap their tokens at max_kv_tokens (window caps at sinks + window).
+EVICTING = ("window", "window-quant", "scored", "scored-quant")
+QUANTIZING = ("quantized", "window-quant", "scored-quant")
+CAPPED = ("window-quant", "scored", "scored-quant")
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 
@@ -72,18 +78,18 @@ class CacheSettings:
 
     @property
     def evicts(self) -> bool:
-        return self.mode in ("window", "window-quant", "scored")
+        return self.mode in EVICTING
 
     @property
     def quantizes(self) -> bool:
-        return self.mode in ("quantized", "window-quant")
+        return self.mode in QUANTIZING
 
     @property
     def budget(self) -> int | None:
         """Most tokens held after maintenance, or None when the cache keeps everything."""
         if self.mode == "window":
             return self.sinks + self.window
-        if self.mode in ("window-quant", "scored"):
+        if self.mode in CAPPED:
             return self.max_kv_tokens
         return None
 
@@ -92,6 +98,27 @@ class CacheSettings:
         if self.budget is None:
             return None
         return self.budget + self.evict_chunk + prefill_chunk - 1
+
+    def pinning(self, n: int) -> "CacheSettings":
+        """These settings with the first ``n`` tokens (the system prompt) never evicted.
+
+        The evicting modes keep their ``sinks`` forever, so pinning raises ``sinks`` to cover
+        them, within the same budget: at most half of it (and no more than the recent window,
+        which validate() asks), so the prompt never crowds out the recent turns. ``window``
+        gives the extra pinned tokens from its recent window (its budget is sinks + window);
+        the budgeted modes keep ``max_kv_tokens`` and shrink the window only where it no
+        longer fits. Modes that never evict are returned unchanged.
+        """
+        if not self.evicts or n <= self.sinks:
+            return self
+        budget = self.budget
+        if self.mode == "window":
+            keep = min(n, budget // 2)
+            return replace(self, sinks=keep, window=budget - keep) if keep > self.sinks else self
+        keep = min(n, budget // 2, self.window)
+        if keep <= self.sinks:
+            return self
+        return replace(self, sinks=keep, window=min(self.window, budget - keep))
 
     def with_(self, **changes) -> "CacheSettings":
         return replace(self, **changes)

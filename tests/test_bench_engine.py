@@ -184,3 +184,31 @@ def test_recall_bench_smoke(tmp_path, monkeypatch):
     assert list(rows) == ["prealloc", "window@64", "scored@64"]
     assert all(r[1] == 2 and 0 <= r[3] <= 1 for r in rows.values())
     assert rows["window@64"][5] < rows["prealloc"][5]  # the budget really bounded the cache
+
+
+def test_quality_and_recall_benches_compare_quantised_rows_at_equal_bytes(tmp_path, monkeypatch):
+    """--budget-quant: window-quant@B and scored-quant@B hold more tokens than window@B in no more
+    bytes (at their most, between steps) than window@B holds at its most."""
+    from chatapp.bench import quality_bench, recall_bench
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat who liked the sun. " * 6)
+    js = tmp_path / "quality.json"
+    args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "200", "--split", "64", "--chunked",
+                             "--window", "32", "--evict-chunk", "16", "--cache-mode", "prealloc",
+                             "--budgets", "48", "--budget-quant", "--json", str(js)])
+    assert quality_bench.run(args) == 0
+    data = json.loads(js.read_text())
+    cols = data["columns"]
+    rows = {r[0]: dict(zip(cols, r)) for r in data["rows"]}
+    assert list(rows) == ["prealloc", "window@48", "scored@48", "window-quant@48", "scored-quant@48"]
+    for q in ("window-quant@48", "scored-quant@48"):
+        assert rows[q]["held at end"] > rows["window@48"]["held at end"]
+        assert rows[q]["most KV bytes held"] <= rows["window@48"]["most KV bytes held"]
+    js2 = tmp_path / "recall.json"
+    args = parse("recall", ["--random", "--conversations", "1", "--filler-turns", "2", "--filler-words", "30",
+                            "--budgets", "48", "--evict-chunk", "16", "--max-new", "1", "--budget-quant",
+                            "--cache-mode", "window@48,scored-quant@48", "--json", str(js2)])
+    assert recall_bench.run(args) == 0
+    assert [r[0] for r in json.loads(js2.read_text())["rows"]] == ["window@48", "scored-quant@48"]

@@ -362,7 +362,7 @@ def test_out_of_range(tmp_path):
         ('[model]\ndtype = "float64"',
          'model.dtype: must be one of "auto", "float32", "float16", "bfloat16" (got "float64")'),
         ('[cache]\nmode = "fast"', 'cache.mode: must be one of "auto", "concat", "prealloc", '
-         '"quantized", "window", "window-quant", "scored" (got "fast")'),
+         '"quantized", "window", "window-quant", "scored", "scored-quant" (got "fast")'),
         ("[cache]\nkv_bits = 6", "cache.kv_bits: must be one of 4, 8 (got 6)"),
         ('[cache]\nkv_bits = "8"', 'cache.kv_bits: must be one of 4, 8 (got "8")'),
         ("[cache]\nkv_group_size = 16", "cache.kv_group_size: must be one of 32, 64, 128 (got 16)"),

@@ -796,7 +796,7 @@ def test_lead_loop_in_process(stories_path, tmp_path, monkeypatch):
     assert out.getvalue() == expected_stdout(replies)
     assert err.getvalue().splitlines() == [
         "chatapp: error: /mode: unknown cache mode 'fast' (choose from auto, concat, prealloc, quantized, window, "
-        "window-quant, scored)",
+        "window-quant, scored, scored-quant)",
         "chatapp: sampling: max_tokens=4",
     ]
     assert job.channel.sent == [dist_channel.OP_CMD] * 3 + [dist_channel.OP_QUIT]

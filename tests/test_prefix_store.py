@@ -29,7 +29,7 @@ SYSTEM = ("You are a helpful assistant who answers questions about small animals
 IDENT = ModelIdentity("tiny", "tiny", "fingerprint-a")
 ROOMY = CacheSettings(window=1024, max_kv_tokens=2048, quant_start=1024)  # no mode quantises or evicts a prompt
 SMALL = CacheSettings(sinks=4, window=48, evict_chunk=16, max_kv_tokens=96, quant_start=40)
-MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored"]
+MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant"]
 
 
 def tokenizer():

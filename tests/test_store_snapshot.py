@@ -21,7 +21,7 @@ from chatapp.store.snapshot import (
 from tests.conftest import tiny_llama
 
 SMALL = dict(sinks=4, window=48, evict_chunk=16, max_kv_tokens=96, quant_start=40)
-MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored"]
+MODES = ["concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant"]
 
 
 def ids(n: int, seed: int = 3) -> list[int]:

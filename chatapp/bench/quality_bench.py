@@ -88,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=budget_list, default=[],
                    help="comma list of token budgets B: adds rows window@B (sinks + window = B) and scored@B "
                         "(max_kv_tokens = B, recent window min(--window, B/4)), to compare at equal KV bytes")
+    p.add_argument("--budget-quant", action="store_true",
+                   help="with --budgets: also rows window-quant@B and scored-quant@B at the KV bytes of B "
+                        "full-precision tokens (recent window min(--window, B/4) at full precision, the rest "
+                        "quantised to --budget-bits): the comparison at equal bytes, not equal tokens")
+    p.add_argument("--budget-bits", type=int, choices=(4, 8), default=None,
+                   help="kv_bits of the --budget-quant rows (default --kv-bits)")
     p.add_argument("--fast-path", action="store_true",
                    help="score through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
@@ -159,8 +165,25 @@ def load(args) -> tuple[Any, Any, str]:
     return lm.model, lm.tokenizer, desc
 
 
-def row_specs(args) -> list[tuple[str, str, dict]]:
-    """(row label, cache mode, setting overrides): every mode asked for, then the budget rows."""
+def equal_bytes_budget(b: int, window: int, sinks: int, chunk: int, full_token: int, quant_token: int) -> int:
+    """max_kv_tokens of a cache with ``sinks + window`` full-precision tokens and a quantised
+    middle whose most bytes (held up to budget + chunk, recent up to window + chunk) stay within
+    what ``b`` full-precision tokens take at their most (b + chunk - 1 of them)."""
+    most = (b + chunk - 1) * full_token
+    full = (sinks + window + chunk) * full_token
+    return sinks + window + max(0, (most - full) // quant_token)
+
+
+def token_bytes(geom, itemsize: int, bits: int, group: int) -> tuple[int, int]:
+    """KV bytes of one token over all layers: full precision, and quantised (packed + scales + biases)."""
+    per_head = geom.head_dim * itemsize
+    quant_head = geom.head_dim * bits // 8 + 2 * (geom.head_dim // group) * itemsize
+    return 2 * geom.n_layers * geom.n_kv_heads * per_head, 2 * geom.n_layers * geom.n_kv_heads * quant_head
+
+
+def row_specs(args, token_sizes: tuple[int, int] | None = None) -> list[tuple[str, str, dict]]:
+    """(row label, cache mode, setting overrides): every mode asked for, then the budget rows.
+    ``token_sizes`` (full, quantised bytes per token) sizes the --budget-quant rows."""
     modes = args.cache_mode or list(MODES)
     if "prealloc" in modes:  # the reference runs first
         modes = ["prealloc"] + [m for m in modes if m != "prealloc"]
@@ -168,6 +191,12 @@ def row_specs(args) -> list[tuple[str, str, dict]]:
     for b in args.budgets:
         rows.append((f"window@{b}", "window", dict(window=b - args.sinks)))
         rows.append((f"scored@{b}", "scored", dict(max_kv_tokens=b, window=min(args.window, b // 4))))
+        if args.budget_quant and token_sizes is not None:
+            w = min(args.window, b // 4)
+            budget = equal_bytes_budget(b, w, args.sinks, args.evict_chunk, *token_sizes)
+            bits = args.budget_bits or args.kv_bits
+            for mode in ("window-quant", "scored-quant"):
+                rows.append((f"{mode}@{b}", mode, dict(max_kv_tokens=budget, window=w, kv_bits=bits)))
     return rows
 
 
@@ -185,6 +214,18 @@ def settings_for(args, mode: str, geom, **overrides):
 
 
 # ---- scoring -----------------------------------------------------------------------------------
+def model_itemsize(model) -> int:
+    """Bytes per K/V element as this model writes them (one token through a prealloc cache)."""
+    import mlx.core as mx
+
+    from cache import CacheSettings, make_caches
+
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    model(mx.array([[1]]), cache=caches)
+    k, _ = caches[0].content()
+    return k.dtype.size
+
+
 def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bool) -> dict[str, Any]:
     """Teacher-forced log-probs of tokens[1:] through ``settings.mode``'s caches."""
     import mlx.core as mx
@@ -213,24 +254,27 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
         if dists is not None:
             dists.append(np.array(lp.astype(mx.float32)))
 
-    pos = 0
+    pos, max_bytes = 0, 0
     first = max(1, min(prefill, n - 1))
     while pos < first:
         chunk = tokens[pos : min(first, pos + step)]
         out = model(mx.array([chunk]), cache=caches)
         take(out[0].astype(mx.float32), pos)
         pos += len(chunk)
+        max_bytes = max(max_bytes, total_usage(caches).bytes_held)
     max_held = caches[0].offset
     while pos < n - 1:
         out = model(mx.array([[tokens[pos]]]), cache=caches)
         take(out[0].astype(mx.float32), pos)
         pos += 1
         max_held = max(max_held, caches[0].offset)
+        max_bytes = max(max_bytes, total_usage(caches).bytes_held)
     seconds = time.perf_counter() - t0
     held = caches[0].offset
     evicted = getattr(caches[0], "evicted", 0)
     return dict(lps=lps, dists=np.concatenate(dists) if dists else None, seconds=seconds, held=held,
-                evicted=evicted, max_held=max_held, kv_bytes=total_usage(caches).bytes_held)
+                evicted=evicted, max_held=max_held, kv_bytes=total_usage(caches).bytes_held,
+                max_bytes=max_bytes)
 
 
 def llama_cpp_ppl(args, tokens: list[int]) -> dict[str, Any] | None:
@@ -291,7 +335,9 @@ def run(args) -> int:
         raise SystemExit("the text has fewer than 2 tokens")
     print(f"# model: {desc}; {n} tokens")
 
-    rows = row_specs(args)
+    itemsize = model_itemsize(model)
+    bits = args.budget_bits or args.kv_bits
+    rows = row_specs(args, token_bytes(geom, itemsize, bits, args.kv_group_size))
     modes = [label for label, _, _ in rows]
     vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
     keep = "prealloc" in modes and vocab * n <= KL_LIMIT
@@ -321,7 +367,7 @@ def run(args) -> int:
     ref = results.get("prealloc")
     rep = BenchReport(f"quality: teacher-forced perplexity per cache mode (split at {split})",
                       ["mode", "tokens", "held at end", "KV bytes held", "ppl all", f"ppl after {split}",
-                       "after / prealloc", "KL vs prealloc after"])
+                       "after / prealloc", "KL vs prealloc after", "most KV bytes held", "seconds"])
     for mode, r in results.items():
         after = ppl(r["lps"][split:])
         rel = after / ppl(ref["lps"][split:]) if ref is not None else float("nan")
@@ -332,11 +378,13 @@ def run(args) -> int:
         r["kl_after"] = kl
         r["rel_after"] = rel
         rep.add(mode, n, r["held"], r["kv_bytes"], round(ppl(r["lps"]), 4), round(after, 4),
-                f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a")
+                f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a",
+                r["max_bytes"], round(r["seconds"], 1))
 
     if llama_cpp is not None:
         rep.add("llama.cpp", n, n, "n/a", round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
-                f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a")
+                f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a",
+                "n/a", round(llama_cpp["seconds"], 1))
         rep.meta["llama.cpp"] = (f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, "
                                  f"{llama_cpp['seconds']:.1f} s")
     rep.meta.update(

@@ -7,7 +7,9 @@ tokens) through ``cache.make_caches(model, settings)`` after a chunked prefill o
 conversation (chunks of ``evict_chunk``, as the Session prefills evicting caches); it counts as
 correct when it contains the fact. Rows: prealloc (everything held: the ceiling), then for each
 ``--budgets`` B window@B (sinks + window = B) and scored@B (max_kv_tokens = B, recent window
-B/4): both full precision, so equal budgets are equal KV bytes (the KV bytes column shows it).
+B/4): both full precision, so equal budgets are equal KV bytes (the KV bytes column shows it);
+with ``--budget-quant`` also window-quant@B and scored-quant@B, sized to the same bytes (recent
+window B/4 at full precision, the rest quantised: see quality_bench.equal_bytes_budget).
 
 Only meaningful on a real instruction model (SmolLM2, the default); ``--random`` runs a tiny
 random-weight model to check the plumbing.
@@ -21,13 +23,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from chatapp.bench.quality_bench import SHARED, budget_list
+from chatapp.bench.quality_bench import SHARED, budget_list, equal_bytes_budget, model_itemsize, token_bytes
 
 DEFAULT_MODEL = str(SHARED / "smollm2-135m-instruct")
 TEXT = Path(__file__).resolve().parent / "texts" / "kjv-ruth-esther.txt"
 NAMES = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
 PLACES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Kyoto", "Dublin", "Cairo", "Quebec", "Perth", "Zagreb"]
 ASKS = {"name": "What is my name?", "number": "What is my favourite number?", "place": "Which city do I live in?"}
+# The start of the assistant's answer, given with the prompt (``--prime``): SmolLM2-135M answers a
+# bare question with "I'm sorry, I'm not familiar with ..." even with the whole conversation held,
+# but completes a started answer from the conversation.
+PRIMERS = {"name": "Your name is", "number": "Your favourite number is", "place": "You live in"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=budget_list, default=[512], help="comma list of token budgets (default 512)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--evict-chunk", type=int, default=64)
+    p.add_argument("--budget-quant", action="store_true",
+                   help="also rows window-quant@B and scored-quant@B at the KV bytes of B full-precision tokens")
+    p.add_argument("--kv-bits", type=int, choices=(4, 8), default=8, help="kv_bits of the --budget-quant rows")
+    p.add_argument("--cache-mode", default=None,
+                   help="comma list of row labels to run (e.g. prealloc,window@512,scored-quant@512); default all")
+    p.add_argument("--fast-path", action="store_true",
+                   help="run through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
+    p.add_argument("--prime", action="store_true",
+                   help="start the assistant's answer (\"Your name is\", ...) so a small model completes it")
     p.add_argument("--max-new", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
 
@@ -54,7 +69,7 @@ def conversation(rng: random.Random, words: list[str], turns: int, per_turn: int
         msgs.append({"role": "assistant", "content": "I have read it."})
     kind = rng.choice(sorted(ASKS))
     msgs.append({"role": "user", "content": ASKS[kind]})
-    return msgs, facts[kind]
+    return msgs, facts[kind], PRIMERS[kind]
 
 
 def render(tokenizer, msgs: list[dict]) -> list[int]:
@@ -98,13 +113,18 @@ def run(args) -> int:
     else:
         from chatapp.model.loader import load_model
 
-        lm = load_model(args.model)
+        lm = load_model(args.model, cast_scales=not args.fast_path)  # the fast path keeps float16 scales
         model, tokenizer, desc = lm.model, lm.tokenizer, lm.model_id
+        if args.fast_path:
+            from chatapp.bench.common import fast_path
+
+            desc += f"; CPU fast path: {fast_path(model, off=False)}"
     geom = model_geometry(model)
     words = TEXT.read_text(encoding="utf-8").split()
     rng = random.Random(args.seed)
     convs = [conversation(rng, words, args.filler_turns, args.filler_words) for _ in range(args.conversations)]
-    prompts = [(render(tokenizer, m), fact) for m, fact in convs]
+    prompts = [(render(tokenizer, m) + (list(tokenizer.encode(primer))
+                                        if args.prime else []), fact) for m, fact, primer in convs]
     rows = [("prealloc", CacheSettings(mode="prealloc"))]
     for b in args.budgets:
         rows.append((f"window@{b}", CacheSettings(mode="window", sinks=args.sinks, window=b - args.sinks,
@@ -112,6 +132,18 @@ def run(args) -> int:
         w = max(args.sinks, b // 4)
         rows.append((f"scored@{b}", CacheSettings(mode="scored", sinks=args.sinks, window=w, max_kv_tokens=b,
                                                   evict_chunk=args.evict_chunk)))
+        if args.budget_quant:
+            sizes = token_bytes(geom, model_itemsize(model), args.kv_bits, 64)
+            budget = equal_bytes_budget(b, w, args.sinks, args.evict_chunk, *sizes)
+            for mode in ("window-quant", "scored-quant"):
+                rows.append((f"{mode}@{b}", CacheSettings(mode=mode, sinks=args.sinks, window=w, max_kv_tokens=budget,
+                                                          evict_chunk=args.evict_chunk, kv_bits=args.kv_bits)))
+    if args.cache_mode:
+        wanted = [x.strip() for x in args.cache_mode.split(",") if x.strip()]
+        bad = [x for x in wanted if x not in {label for label, _ in rows}]
+        if bad:
+            raise SystemExit(f"--cache-mode: unknown rows {bad}; choose from {', '.join(label for label, _ in rows)}")
+        rows = [r for r in rows if r[0] in wanted]
     rep = BenchReport("recall: early facts asked for after filler, greedy answers per cache mode",
                       ["mode", "conversations", "correct", "fraction", "mean prompt tokens", "mean KV bytes held",
                        "seconds"])

@@ -84,6 +84,8 @@ class Session:
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
         self._cancel = cancel if cancel is not None else threading.Event()
         self._first_visible = 0
+        # Leading tokens (the system prompt) the evicting modes never evict.
+        self.pinned = self._system_tokens()
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
         self.notices.extend(notices or [])  # after the settings' own notes, as they came before
         self.caches = make_caches(model, self.settings, self.geometry)
@@ -113,7 +115,7 @@ class Session:
         return self.settings.mode
 
     def _settings_for(self, mode: str, **changes) -> CacheSettings:
-        settings = self.base_settings.with_(mode=mode, **changes)
+        settings = self.base_settings.with_(mode=mode, **changes).pinning(self.pinned)
         settings, notes = settings.fitted(self.geometry.max_positions)
         self.notices.extend(n for n in notes if n not in self.notices)
         return settings
@@ -138,7 +140,7 @@ class Session:
         else:
             target = mode
         base = self.base_settings.with_(**changes) if changes else self.base_settings
-        settings, notes = base.with_(mode=target).fitted(self.geometry.max_positions)
+        settings, notes = base.with_(mode=target).pinning(self.pinned).fitted(self.geometry.max_positions)
         start = time.perf_counter()
         conv = convert_caches(self.caches, self.model, settings)  # raises CacheConfigError first
         self.caches, self.settings = conv.caches, settings
@@ -160,6 +162,24 @@ class Session:
         report = self.switch_mode(AUTO)
         self.requested_mode = AUTO
         return report
+
+    def _system_tokens(self) -> int:
+        """Tokens of the system prompt that opens the conversation (0 when there is none)."""
+        msgs = self.conversation.messages
+        if not msgs or msgs[0].role != "system" or not msgs[0].content:
+            return 0
+        return len(self.format.tokens(Conversation(msgs[:1]), generation_prompt=False))
+
+    def pin_system_prompt(self) -> None:
+        """Pin the system prompt in the evicting caches (CacheSettings.pinning): applied to the
+        settings at once, and to the caches while they are empty (a new conversation)."""
+        n = self._system_tokens()
+        if n == self.pinned:
+            return
+        self.pinned = n
+        if not self.cached:
+            self.settings = self._settings_for(self.settings.mode)
+            self._reset_caches()
 
     def _prefill_step(self) -> int:
         return self.settings.evict_chunk if self.settings.evicts else FULL_PREFILL_STEP
@@ -222,6 +242,8 @@ class Session:
         keep = system if system is not None else next(
             (m.content for m in self.conversation.messages if m.role == "system"), "")
         self.conversation = Conversation.start(keep)
+        self.cached = []
+        self.pin_system_prompt()
         self._reset_caches()
 
     def load_conversation(self, conversation: Conversation) -> None:
@@ -250,6 +272,7 @@ class Session:
         kept = common_prefix(self.cached, tokens)
         self.conversation = conv
         self._reset_caches()
+        self.pin_system_prompt()  # the caches are empty: the new system prompt is pinned at once
         return tokens, kept
 
     def keep_interrupted(self, text: str, seq: int) -> None:
@@ -287,6 +310,8 @@ class Session:
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         prompt = self.format.tokens(self.conversation)
+        if not self.cached:
+            self.pin_system_prompt()
         stats = TurnStats(prompt_tokens=len(prompt))
         warm_start(self, prompt, stats)  # empty caches: take what the prefix store holds of the prompt
         switch = self._apply_policy(len(prompt))
@@ -527,6 +552,7 @@ class Session:
         """
         self.adopt(caches, cached, settings, exact)
         self.restored = len(cached)
+        self.pinned = self._system_tokens()
         if self.requested_mode == AUTO:
             fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
         else:
@@ -597,6 +623,8 @@ class Session:
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
             attention_sparsity=self._attention_sparsity(), messages=rows,
+            evicted_by_policy=dict(getattr(self.caches[0], "evicted_by", {})),
+            quantised_by_policy=dict(getattr(self.caches[0], "quantised_by", {})),
         )
 
     def _attention_sparsity(self) -> float | None:

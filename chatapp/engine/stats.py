@@ -36,6 +36,10 @@ class CacheView:
     attention_sparsity: float | None = None
     # What the cache holds of each message (engine/cache_map.py); empty in live views while streaming.
     messages: list[MessageCache] = field(default_factory=list)
+    # Tokens each policy (cache mode) has evicted / quantised in this conversation, across mode
+    # switches: {"window": 512, "scored-quant": 256}.
+    evicted_by_policy: dict[str, int] = field(default_factory=dict)
+    quantised_by_policy: dict[str, int] = field(default_factory=dict)
 
     @property
     def memory_share(self) -> float:

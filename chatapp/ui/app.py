@@ -416,7 +416,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         yield SystemCommand("Toggle side panel", "F2: step-time chart, per-layer cache, mode table",
                             self.action_toggle_panel)
         yield SystemCommand("Next cache mode",
-                            "F3: cycle auto, concat, prealloc, quantized, window, window-quant, scored",
+                            "F3: cycle auto, concat, prealloc, quantized, window, window-quant, scored, scored-quant",
                             self.action_cycle_mode)
         yield SystemCommand("Cache mode…", "F4: choose the cache mode and its settings", self.action_mode_dialog)
         for mode in MODES:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from textual import on
 from textual.app import App
 
+from cache.settings import CAPPED
 from chatapp.engine.events import SessionInfo
 from chatapp.engine.requests import Compare, Describe, EditLast, Regenerate, Request, Send, SwitchMode
 from chatapp.engine.stats import CacheView, TurnStats
@@ -210,7 +211,7 @@ class EngineLinkApp(App[int]):
         self.mode = info.mode
         self.requested_mode = info.requested_mode
         self.cache_view = info.cache
-        self._mark_evicted(info.cache.first_visible_message)
+        self._mark_evicted(info.cache)
         self._cache_markers(info.cache)
         self._update_status()
         self._update_panel()
@@ -242,7 +243,7 @@ class EngineLinkApp(App[int]):
             self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
             self._notice(note)
-        self._mark_evicted(stats.cache.first_visible_message)
+        self._mark_evicted(stats.cache)
         self._cache_markers(stats.cache)
         self._update_status()
         self._update_panel()
@@ -411,10 +412,16 @@ class EngineLinkApp(App[int]):
         if line:
             self.query_one(ChatView).mount(CacheNotice(line, markup=False))
 
-    def _mark_evicted(self, first_visible: int) -> None:
+    def _mark_evicted(self, cache: CacheView) -> None:
+        """Dim the messages the model no longer sees: per message from the cache map when there is
+        one (a pinned system prompt stays lit while the turns after it leave the window), else
+        every message before ``first_visible_message``."""
+        rows = {row.index: row for row in cache.messages}
         for i, entry in enumerate(self.entries):
             if entry.widget is not None:
-                entry.widget.set_evicted(i < first_visible)
+                row = rows.get(i)
+                entry.widget.set_evicted(row.state == "evicted" if row is not None
+                                         else i < cache.first_visible_message)
 
     # ---- status and panel ---------------------------------------------------------------------------------
     def _mode_label(self) -> str:
@@ -429,7 +436,7 @@ class EngineLinkApp(App[int]):
         e = self.info.effective
         if self.mode == "window":
             return e.get("sinks", 0) + e.get("window", 0)
-        if self.mode in ("window-quant", "scored"):
+        if self.mode in CAPPED:
             return e.get("max_kv_tokens")
         return None
 

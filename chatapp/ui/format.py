@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from cache.settings import MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
+from cache.settings import AUTO, CAPPED, EVICTING, MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES, QUANTIZING
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
@@ -30,14 +30,15 @@ MODE_HELP = {
     "window": "attention sinks + the last `window` tokens; older ones are evicted",
     "window-quant": "sinks + recent window at full precision, older tokens quantised, max_kv_tokens in all",
     "scored": "sinks + recent window kept; past max_kv_tokens the least-attended older tokens are evicted",
+    "scored-quant": "scored, with the older tokens quantised: more of them kept in the same memory",
 }
 #: The settings the mode dialog edits, with the modes they matter for.
 MODE_FIELDS = {
-    "window": ("window", "window-quant", "scored", "auto"),
-    "sinks": ("window", "window-quant", "scored", "auto"),
-    "kv_bits": ("quantized", "window-quant", "auto"),
-    "kv_group_size": ("quantized", "window-quant", "auto"),
-    "max_kv_tokens": ("window-quant", "scored", "auto"),
+    "window": (*EVICTING, AUTO),
+    "sinks": (*EVICTING, AUTO),
+    "kv_bits": (*QUANTIZING, AUTO),
+    "kv_group_size": (*QUANTIZING, AUTO),
+    "max_kv_tokens": (*CAPPED, AUTO),
 }
 
 SEP = " │ "
@@ -136,7 +137,7 @@ def live_cache(stats: TurnStats, last: CacheView | None, budget: int | None = No
     last = last or CacheView()
     covered = stats.reused_tokens + stats.prefill_tokens + stats.generated_tokens
     tokens = max(last.tokens + covered - last.conversation_tokens, stats.generated_tokens, 0)
-    evicting = stats.mode in ("window", "window-quant", "scored")
+    evicting = stats.mode in EVICTING
     if evicting and budget:
         tokens = min(tokens, budget)
     per_token = last.bytes_held / last.tokens if last.tokens else 0.0
