@@ -413,15 +413,14 @@ class EngineLinkApp(App[int]):
             self.query_one(ChatView).mount(CacheNotice(line, markup=False))
 
     def _mark_evicted(self, cache: CacheView) -> None:
-        """Dim the messages the model no longer sees: per message from the cache map when there is
-        one (a pinned system prompt stays lit while the turns after it leave the window), else
-        every message before ``first_visible_message``."""
+        """Dim the messages before ``first_visible_message`` (the model no longer sees them), all but
+        those the cache map says are still held (a pinned system prompt stays lit)."""
         rows = {row.index: row for row in cache.messages}
         for i, entry in enumerate(self.entries):
             if entry.widget is not None:
                 row = rows.get(i)
-                entry.widget.set_evicted(row.state == "evicted" if row is not None
-                                         else i < cache.first_visible_message)
+                gone = row is None or row.state in ("evicted", "partly evicted")
+                entry.widget.set_evicted(i < cache.first_visible_message and gone)
 
     # ---- status and panel ---------------------------------------------------------------------------------
     def _mode_label(self) -> str:
