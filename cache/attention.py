@@ -165,9 +165,3 @@ def install_attention(model) -> list[str]:
         setattr(mod, "scaled_dot_product_attention", _make_dispatch(fn))
         patched.append(name)
     return patched
-
-
-def is_installed(model) -> bool:
-    mod = sys.modules.get(type(model).__module__)
-    fn = getattr(mod, "scaled_dot_product_attention", None)
-    return fn is not None and hasattr(fn, _WRAPPED_FLAG)

@@ -93,12 +93,6 @@ class CacheSettings:
             return self.max_kv_tokens
         return None
 
-    def max_position(self, prefill_chunk: int) -> int | None:
-        """Highest position the model can see in one step: budget + one eviction chunk + the step."""
-        if self.budget is None:
-            return None
-        return self.budget + self.evict_chunk + prefill_chunk - 1
-
     def pinning(self, n: int) -> "CacheSettings":
         """These settings with the first ``n`` tokens (the system prompt) never evicted.
 

@@ -37,12 +37,6 @@ class CacheUsage:
     def __add__(self, other: "CacheUsage") -> "CacheUsage":
         return CacheUsage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
-    def as_dict(self) -> dict[str, int]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d.update(tokens=self.tokens, capacity=self.capacity, bytes_held=self.bytes_held,
-                 bytes_allocated=self.bytes_allocated)
-        return d
-
 
 def total_usage(caches: Iterable) -> CacheUsage:
     """Sum of the per-layer usage; per-layer token counts are equal, so tokens are per layer."""

@@ -203,8 +203,8 @@ def test_prefill_computes_the_head_for_the_last_position_only(tied, kernels, mon
     head = fast.model.embed_tokens if tied else fast.lm_head
     assert head._route.output_head and not fast.model.layers[0].mlp.up_proj._route.output_head
     seen = []  # positions the head really computed, whatever its route
-    real_kernel, real_mlx = qlinear._kernel_matmul, type(head)._mlx_product
-    monkeypatch.setattr(qlinear, "_kernel_matmul",
+    real_kernel, real_mlx = qlinear.kernel_matmul, type(head)._mlx_product
+    monkeypatch.setattr(qlinear, "kernel_matmul",
                         lambda x, route, d: (seen.append(x.shape[1]) if route is head._route else None)
                         or real_kernel(x, route, d))
     monkeypatch.setattr(type(head), "_mlx_product", lambda self, x: seen.append(x.shape[1]) or real_mlx(self, x))

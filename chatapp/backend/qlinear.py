@@ -128,7 +128,7 @@ def _dense_matmul(x: mx.array, w: mx.array, out_dtype: mx.Dtype) -> mx.array:
 _scratch = threading.local()
 
 
-def _kernel_matmul(x: mx.array, route: Route, out_dtype: mx.Dtype) -> mx.array:
+def kernel_matmul(x: mx.array, route: Route, out_dtype: mx.Dtype) -> mx.array:
     from chatapp.kernels import qmatmul
 
     xn = _as_numpy_tokens(x)
@@ -340,7 +340,7 @@ def matmul(route: Route, x: mx.array, out_dtype: mx.Dtype = mx.float32) -> mx.ar
     """``x @ W.T`` the way ``route`` computes it: the packed kernels (``kind="kernel"``), or the dense
     float32 copy (``kind="dense"``; numpy's sgemv for one token when ``dense_np`` is set)."""
     if route.kind == "kernel":
-        return _kernel_matmul(x, route, out_dtype)
+        return kernel_matmul(x, route, out_dtype)
     if route.kind == "dense":
         if route.dense_np is not None and _tokens(x) == 1:
             return _numpy_matvec(x, route.dense_np, out_dtype)

@@ -18,7 +18,7 @@ def warm_up_kernels(layers: Iterable) -> float:
     """Run each distinct (bits, group size, scale dtype) of ``layers`` through both kernel routes
     on a tiny weight, and the decode attention kernel; returns the seconds it took."""
     from .decode_attention import decode_full, decode_mixed
-    from .qlinear import Route, _kernel_matmul, packed_view
+    from .qlinear import Route, kernel_matmul, packed_view
 
     start = time.perf_counter()
     seen = set()
@@ -33,7 +33,7 @@ def warm_up_kernels(layers: Iterable) -> float:
         route = Route(kind="kernel", kernel_max_tokens=1)
         route.packed = packed_view(packed, scales.astype(dtype), biases.astype(dtype), bits, group_size)
         for tokens in (1, 2):  # the packed kernel, then dequantise + gemm
-            mx.eval(_kernel_matmul(mx.zeros((tokens, 128)), route, mx.float32))
+            mx.eval(kernel_matmul(mx.zeros((tokens, 128)), route, mx.float32))
     q = mx.zeros((1, 2, 1, 64))
     kv = mx.zeros((1, 1, 8, 64))
     mx.eval(decode_full(q, kv, kv, 0.125, None))

@@ -319,7 +319,10 @@ class ChatStore:
         raises search.SearchError for an empty text."""
         from .search import search
 
-        return search(self, text, limit)
+        if self._conn is None:
+            return []
+        with self._mutex:
+            return search(self._conn, text, limit)
 
     # ---- changing -----------------------------------------------------------------------------
     def create_conversation(self, *, title: str = "", model_id: str = "", model_spec: str = "",

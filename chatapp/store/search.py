@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 import sqlite3
 from dataclasses import asdict, dataclass
-from typing import Any
 
 INDEX_SQL = [
     "CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5("
@@ -100,37 +99,33 @@ def matching_line(content: str, terms: list[str], width: int = LINE_CHARS) -> st
     return ("…" if start else "") + cut + "…"
 
 
-def search(store: Any, text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]:
+def search(conn: sqlite3.Connection, text: str, limit: int = DEFAULT_LIMIT) -> list[SearchHit]:
     """Messages of every saved conversation that hold every word of ``text``, best match first
-    (FTS5's bm25), then the newest message. ``store``: an open db.ChatStore (not imported: db imports this
-    module). Raises SearchError for an empty text."""
+    (FTS5's bm25), then the newest message. ``conn``: the store's connection (``ChatStore.search``
+    calls this holding its lock). Raises SearchError for an empty text."""
     match = fts_query(text)
     terms = [w.strip('"*') or w for w in words(text)]
-    conn = store._conn
-    if conn is None:
-        return []
     head = ("SELECT m.conversation_id, c.title, c.updated, m.seq, m.role, m.content "
             "FROM messages m JOIN conversations c ON c.id = m.conversation_id ")
-    with store._mutex:
-        if has_index(conn):
-            # The index first, on its own: joined in one query, SQLite may look the FTS table up
-            # by rowid for each message and drop the MATCH (every message then "matches").
-            ranked = conn.execute(
-                "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY bm25(messages_fts), rowid DESC "
-                "LIMIT ?", (match, int(limit))).fetchall()
-            order = {rid: i for i, (rid,) in enumerate(ranked)}
-            rows = []
-            ids = list(order)
-            for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
-                part = ids[i:i + 500]
-                rows += conn.execute(head.replace("SELECT ", "SELECT m.rowid, ", 1)
-                                     + f"WHERE m.rowid IN ({','.join('?' * len(part))})", part).fetchall()
-            rows = [r[1:] for r in sorted(rows, key=lambda r: order[r[0]])]
-        else:  # a schema-1 database opened read-only: no index yet
-            like = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in terms)
-            args = ["%" + re.sub(r"([%_\\])", r"\\\1", t) + "%" for t in terms]
-            rows = conn.execute(head + f"WHERE {like} ORDER BY c.updated DESC, m.seq LIMIT ?",
-                                (*args, int(limit))).fetchall()
+    if has_index(conn):
+        # The index first, on its own: joined in one query, SQLite may look the FTS table up
+        # by rowid for each message and drop the MATCH (every message then "matches").
+        ranked = conn.execute(
+            "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY bm25(messages_fts), rowid DESC "
+            "LIMIT ?", (match, int(limit))).fetchall()
+        order = {rid: i for i, (rid,) in enumerate(ranked)}
+        rows = []
+        ids = list(order)
+        for i in range(0, len(ids), 500):  # SQLite's limit on bound parameters
+            part = ids[i:i + 500]
+            rows += conn.execute(head.replace("SELECT ", "SELECT m.rowid, ", 1)
+                                 + f"WHERE m.rowid IN ({','.join('?' * len(part))})", part).fetchall()
+        rows = [r[1:] for r in sorted(rows, key=lambda r: order[r[0]])]
+    else:  # a schema-1 database opened read-only: no index yet
+        like = " AND ".join("m.content LIKE ? ESCAPE '\\'" for _ in terms)
+        args = ["%" + re.sub(r"([%_\\])", r"\\\1", t) + "%" for t in terms]
+        rows = conn.execute(head + f"WHERE {like} ORDER BY c.updated DESC, m.seq LIMIT ?",
+                            (*args, int(limit))).fetchall()
     return [SearchHit(cid, title, updated, seq, role, matching_line(content, terms))
             for cid, title, updated, seq, role, content in rows]
 
