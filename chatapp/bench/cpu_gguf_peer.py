@@ -22,11 +22,10 @@ What each peer measures:
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
-from chatapp.bench.cpu_peer import _peak_rss, _rate, _step_rate
+from chatapp.bench.cpu_peer import peak_rss, peer_main, rate, step_rate
 
 
 def run_chatapp(spec: dict, numerics: str = "exact") -> dict:
@@ -47,7 +46,7 @@ def run_chatapp(spec: dict, numerics: str = "exact") -> dict:
     loaded = load_engine(cfg)
     load_s = time.perf_counter() - t0
     res: dict = {"peer": "chatapp" if numerics == "exact" else "chatapp-fast", "load_s": load_s,
-                 "rss_after_load": _peak_rss(), "plan": loaded.cpu_plan.summary()}
+                 "rss_after_load": peak_rss(), "plan": loaded.cpu_plan.summary()}
     session = session_from_config(cfg, loaded)
     ttft = []
     for _ in range(spec["ttft_runs"]):
@@ -70,11 +69,11 @@ def run_chatapp(spec: dict, numerics: str = "exact") -> dict:
         part = text[n : n + spec["prompt"]]
         t = time.perf_counter()
         _, stamps = greedy_decode(model, caches, chatapp_prefill(model, caches, part), spec["decode"] + 1)
-        res["points"].append({"cached": n, "prefill_tok_s": _rate(len(part), stamps[0] - t),
-                              "decode_tok_s": _step_rate(stamps)})
+        res["points"].append({"cached": n, "prefill_tok_s": rate(len(part), stamps[0] - t),
+                              "decode_tok_s": step_rate(stamps)})
         del caches
         mx.clear_cache()
-    res["peak_rss"] = _peak_rss()
+    res["peak_rss"] = peak_rss()
     return res
 
 
@@ -97,7 +96,7 @@ def run_llama_cpp(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=spec["model"], n_ctx=max(n_ctx, 512), n_threads=spec.get("threads") or None,
                           n_threads_batch=spec.get("threads") or None, n_batch=512, verbose=False)
-    res: dict = {"peer": "llama.cpp", "load_s": time.perf_counter() - t0, "rss_after_load": _peak_rss(),
+    res: dict = {"peer": "llama.cpp", "load_s": time.perf_counter() - t0, "rss_after_load": peak_rss(),
                  "version": getattr(llama_cpp, "__version__", "?")}
     ids = spec["turn_ids"]
     ttft = []
@@ -125,9 +124,9 @@ def run_llama_cpp(spec: dict) -> dict:
             llm.eval([tok])
             tok = llm.sample(top_k=1, temp=0.0)
             stamps.append(time.perf_counter())
-        res["points"].append({"cached": n, "prefill_tok_s": _rate(len(part), prefill_s),
-                              "decode_tok_s": _step_rate(stamps)})
-    res["peak_rss"] = _peak_rss()
+        res["points"].append({"cached": n, "prefill_tok_s": rate(len(part), prefill_s),
+                              "decode_tok_s": step_rate(stamps)})
+    res["peak_rss"] = peak_rss()
     return res
 
 
@@ -135,14 +134,7 @@ PEERS = {"chatapp": run_chatapp, "chatapp-fast": run_chatapp_fast, "llama.cpp": 
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in PEERS:
-        print(f"usage: python -m chatapp.bench.cpu_gguf_peer {{{','.join(PEERS)}}} SPEC.json", file=sys.stderr)
-        return 2
-    with open(argv[1]) as f:
-        spec = json.load(f)
-    res = PEERS[argv[0]](spec)
-    print(json.dumps(res, default=str))
-    return 0
+    return peer_main(argv, PEERS, "chatapp.bench.cpu_gguf_peer")
 
 
 if __name__ == "__main__":

@@ -21,15 +21,15 @@ import sys
 import time
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _rate(n: int, seconds: float) -> float:
+def rate(n: int, seconds: float) -> float:
     return n / seconds if seconds > 0 else float("nan")
 
 
-def _step_rate(stamps: list[float]) -> float:
+def step_rate(stamps: list[float]) -> float:
     """Decode tokens/s from the times tokens reached Python: 1 / median interval."""
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     return 1.0 / statistics.median(gaps) if gaps else float("nan")
@@ -69,7 +69,7 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
     load_s = time.perf_counter() - t0
     model = lm.model
     name = "chatapp-unfused" if not fused_decode else ("chatapp-fast" if numerics == "fast" else "chatapp")
-    res: dict = {"peer": name, "load_s": load_s, "rss_after_load": _peak_rss(), "plan": plan.details(),
+    res: dict = {"peer": name, "load_s": load_s, "rss_after_load": peak_rss(), "plan": plan.details(),
                  "warm_up_s": plan.warm_up_seconds}
     if spec.get("load_only"):
         return res
@@ -86,12 +86,12 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
         caches = make_caches(model, CacheSettings(mode="prealloc"))
         t = time.perf_counter()
         tokens, stamps = greedy_decode(model, caches, chatapp_prefill(model, caches, prompt), n)
-        return tokens, _rate(len(prompt), stamps[0] - t), stamps
+        return tokens, rate(len(prompt), stamps[0] - t), stamps
 
     res["greedy"], res["short_prefill_tok_s"], _ = generate(spec["prompt"][: spec["short"]], spec["greedy"])
     _, res["prefill_tok_s"], stamps = generate(spec["prompt"], spec["decode"] + 1)
-    res["decode_tok_s"] = _step_rate(stamps)
-    res["peak_rss"] = _peak_rss()  # load + the 256-token turn: what the RSS target is about
+    res["decode_tok_s"] = step_rate(stamps)
+    res["peak_rss"] = peak_rss()  # load + the 256-token turn: what the RSS target is about
 
     geom = model_geometry(model)
     g = {"kv_heads": geom.n_kv_heads, "head_dim": geom.head_dim}
@@ -108,7 +108,7 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
             _fill_layer_by_layer(caches, g, ctx, spec["seed"])
             held = caches[0].offset
             _, stamps = greedy_decode(model, caches, mx.array([spec["prompt"][-1]]), spec["long_tokens"] + 1)
-            res["long"].append({"mode": mode, "context": ctx, "held": held, "decode_tok_s": _step_rate(stamps)})
+            res["long"].append({"mode": mode, "context": ctx, "held": held, "decode_tok_s": step_rate(stamps)})
             del caches
             mx.clear_cache()
     return res
@@ -130,7 +130,7 @@ def run_mlx_lm(spec: dict) -> dict:
     t0 = time.perf_counter()
     lm = load_model(spec["model"])
     load_s = time.perf_counter() - t0
-    res: dict = {"peer": "mlx-lm", "load_s": load_s, "rss_after_load": _peak_rss()}
+    res: dict = {"peer": "mlx-lm", "load_s": load_s, "rss_after_load": peak_rss()}
     if spec.get("load_only"):
         return res
     short = spec["prompt"][: spec["short"]]
@@ -140,9 +140,9 @@ def run_mlx_lm(spec: dict) -> dict:
         tokens.append(int(r.token))
         stamps.append(time.perf_counter())
     res["greedy"] = tokens
-    res["prefill_tok_s"] = _rate(len(short), stamps[0] - t)
-    res["decode_tok_s"] = _step_rate(stamps)
-    res["peak_rss"] = _peak_rss()
+    res["prefill_tok_s"] = rate(len(short), stamps[0] - t)
+    res["decode_tok_s"] = step_rate(stamps)
+    res["peak_rss"] = peak_rss()
     layer = lm.model.model.layers[0].self_attn
     g = {"kv_heads": layer.n_kv_heads, "head_dim": layer.head_dim}
     res["long"] = []
@@ -153,7 +153,7 @@ def run_mlx_lm(spec: dict) -> dict:
         for _ in stream_generate(lm.model, lm.tokenizer, mx.array([spec["prompt"][-1]]), prompt_cache=cache,
                                  max_tokens=spec["long_tokens"] + 1):
             stamps.append(time.perf_counter())
-        res["long"].append({"mode": "mlx-lm KVCache", "context": ctx, "held": ctx, "decode_tok_s": _step_rate(stamps)})
+        res["long"].append({"mode": "mlx-lm KVCache", "context": ctx, "held": ctx, "decode_tok_s": step_rate(stamps)})
         del cache
         mx.clear_cache()
     return res
@@ -169,7 +169,7 @@ def run_llama_cpp(spec: dict) -> dict:
     t0 = time.perf_counter()
     llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=max(len(spec["prompt"]) + spec["decode"] + 8, 512),
                           n_threads=spec.get("threads") or None, n_batch=512, verbose=False)
-    res: dict = {"peer": "llama.cpp", "load_s": time.perf_counter() - t0, "rss_after_load": _peak_rss(),
+    res: dict = {"peer": "llama.cpp", "load_s": time.perf_counter() - t0, "rss_after_load": peak_rss(),
                  "version": getattr(llama_cpp, "__version__", "?")}
 
     def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
@@ -187,9 +187,9 @@ def run_llama_cpp(spec: dict) -> dict:
 
     res["greedy"], _, _ = generate(spec["prompt"][: spec["short"]], spec["greedy"])
     _, prefill_s, stamps = generate(spec["prompt"], spec["decode"] + 1)
-    res["prefill_tok_s"] = _rate(len(spec["prompt"]), prefill_s)
-    res["decode_tok_s"] = _step_rate(stamps)
-    res["peak_rss"] = _peak_rss()
+    res["prefill_tok_s"] = rate(len(spec["prompt"]), prefill_s)
+    res["decode_tok_s"] = step_rate(stamps)
+    res["peak_rss"] = peak_rss()
     res["long"] = []
     return res
 
@@ -208,15 +208,20 @@ PEERS = {"chatapp": run_chatapp, "chatapp-unfused": run_chatapp_unfused, "chatap
          "mlx-lm": run_mlx_lm, "llama.cpp": run_llama_cpp}
 
 
-def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in PEERS:
-        print(f"usage: python -m chatapp.bench.cpu_peer {{{','.join(PEERS)}}} SPEC.json", file=sys.stderr)
+def peer_main(argv: list[str], peers: dict, module: str) -> int:
+    """``python -m MODULE PEER SPEC.json``: run one peer of ``peers`` on the spec, print its JSON."""
+    if len(argv) != 2 or argv[0] not in peers:
+        print(f"usage: python -m {module} {{{','.join(peers)}}} SPEC.json", file=sys.stderr)
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
-    res = PEERS[argv[0]](spec)
+    res = peers[argv[0]](spec)
     print(json.dumps(res, default=str))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return peer_main(argv, PEERS, "chatapp.bench.cpu_peer")
 
 
 if __name__ == "__main__":
