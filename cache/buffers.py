@@ -147,6 +147,12 @@ class QuantBuffer(_TokenBuffer):
             self._held_view = (tuple(b[:, :, :L] for b in self.keys), tuple(b[:, :, :L] for b in self.values))
         return self._held_view
 
+    def hold(self, keys: list[mx.array] | None, values: list[mx.array] | None, length: int) -> None:
+        """Replace what is held by these (packed, scales, biases) arrays of ``length`` tokens
+        (None and 0: nothing); a restore and the scored caches' eviction make them."""
+        self.keys, self.values, self.length = keys, values, length
+        self._held_view = None
+
     def dequantized(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         end = self.length if end is None else end
         k, v = ([b[:, :, start:end] for b in bufs] for bufs in (self.keys, self.values))

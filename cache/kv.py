@@ -376,8 +376,7 @@ class SegmentedKVCache(_CacheBase):
             n = v[2].shape[2]
             if any(x.ndim != 4 or x.shape[2] != n for x in v[2:]):
                 raise CacheStateError("quantised key/value arrays disagree on the number of tokens")
-            q = self.quant
-            q.keys, q.values, q.length = list(v[2:5]), list(v[5:8]), n
+            self.quant.hold(list(v[2:5]), list(v[5:8]), n)
         self._pending = self._needs_maintenance()
 
     @property

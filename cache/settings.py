@@ -16,7 +16,8 @@ The modes and what they mean:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Mapping
 
 MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
 # What a user may ask for: a mode, or "auto" (the session's policy: prealloc while short, a
@@ -29,6 +30,72 @@ QUANTIZING = ("quantized", "window-quant", "scored-quant")
 CAPPED = ("window-quant", "scored", "scored-quant")
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+
+# The rules of the cache settings, written once: config, the mode dialog and CacheSettings.validate
+# each word them (dotted keys, dialog fields, setting names) but none restates them.
+MINIMUM = {"chunk_size": 1, "window": 1, "evict_chunk": 1, "max_kv_tokens": 1, "sinks": 0, "quant_start": 0}
+CHUNK_MULTIPLE = 256  # chunk_size: preallocation grows in whole multiples of this
+CHOICES = {"kv_bits": QUANT_BITS, "kv_group_size": QUANT_GROUP_SIZES}
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A cross-field rule broken: ``field`` must be ``op`` ``bound``, a bound made of ``terms``.
+
+    For ``>=`` the bound is the sum of ``terms``; for ``<=`` it is the first term less the rest
+    (the same rule read from one of its parts). ``value`` is what ``field`` holds.
+    """
+
+    field: str
+    op: str
+    terms: tuple[str, ...]
+    bound: int
+    value: int
+
+    def words(self, name: Callable[[str], str] = str) -> str:
+        """The reason, as ``must be >= sinks + window (132)``; ``name`` names each field (a dotted key...)."""
+        joined = (" + " if self.op == ">=" else " - ").join(name(t) for t in self.terms)
+        return f"must be {self.op} {joined} ({self.bound})"
+
+
+@dataclass(frozen=True)
+class CrossRule:
+    """``field >= sum(parts)``: a rule between settings."""
+
+    field: str
+    parts: tuple[str, ...]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """Every field the rule involves: ``field`` first, then the parts from the last."""
+        return (self.field, *reversed(self.parts))
+
+    def holds(self, values: Mapping[str, int]) -> bool:
+        return values[self.field] >= sum(values[p] for p in self.parts)
+
+    def violation(self, values: Mapping[str, int], blamed: str | None = None) -> Violation | None:
+        """None when the rule holds; else how it is broken, read from ``blamed`` (default ``field``)."""
+        if self.holds(values):
+            return None
+        blamed = blamed or self.field
+        if blamed == self.field:
+            return Violation(blamed, ">=", self.parts, sum(values[p] for p in self.parts), values[blamed])
+        others = tuple(p for p in self.parts if p != blamed)
+        bound = values[self.field] - sum(values[p] for p in others)
+        return Violation(blamed, "<=", (self.field, *others), bound, values[blamed])
+
+
+# In the order they are checked: a later rule is read only once the earlier ones hold.
+CROSS_RULES = (CrossRule("window", ("sinks",)), CrossRule("max_kv_tokens", ("sinks", "window")))
+
+
+def cross_violations(values: Mapping[str, int]) -> list[Violation]:
+    """The broken cross-field rules, each read from its own ``field``; checking stops at the first."""
+    for rule in CROSS_RULES:
+        broken = rule.violation(values)
+        if broken is not None:
+            return [broken]
+    return []
 
 
 class CacheConfigError(ValueError):
@@ -53,28 +120,19 @@ class CacheSettings:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise CacheConfigError(f"mode: unknown cache mode {self.mode!r} (choose from {', '.join(MODES)})")
-        for name in ("chunk_size", "window", "evict_chunk", "max_kv_tokens"):
+        for name, lowest in MINIMUM.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise CacheConfigError(f"{name}: must be a positive integer (got {value!r})")
-        for name in ("sinks", "quant_start"):
+            if not isinstance(value, int) or value < lowest:
+                what = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
+                raise CacheConfigError(f"{name}: must be {what} (got {value!r})")
+        if self.chunk_size % CHUNK_MULTIPLE:
+            raise CacheConfigError(f"chunk_size: must be a multiple of {CHUNK_MULTIPLE} (got {self.chunk_size})")
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise CacheConfigError(f"{name}: must be an integer >= 0 (got {value!r})")
-        if self.chunk_size % 256:
-            raise CacheConfigError(f"chunk_size: must be a multiple of 256 (got {self.chunk_size})")
-        if self.kv_bits not in QUANT_BITS:
-            raise CacheConfigError(f"kv_bits: must be one of {QUANT_BITS} (got {self.kv_bits!r})")
-        if self.kv_group_size not in QUANT_GROUP_SIZES:
-            raise CacheConfigError(
-                f"kv_group_size: must be one of {QUANT_GROUP_SIZES} (got {self.kv_group_size!r})"
-            )
-        if self.window < self.sinks:
-            raise CacheConfigError(f"window: must be >= sinks ({self.sinks}) (got {self.window})")
-        if self.max_kv_tokens < self.sinks + self.window:
-            raise CacheConfigError(
-                f"max_kv_tokens: must be >= sinks + window ({self.sinks + self.window}) (got {self.max_kv_tokens})"
-            )
+            if value not in choices:
+                raise CacheConfigError(f"{name}: must be one of {choices} (got {value!r})")
+        for broken in cross_violations(asdict(self)):
+            raise CacheConfigError(f"{broken.field}: {broken.words()} (got {broken.value})")
 
     @property
     def evicts(self) -> bool:

@@ -36,7 +36,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import platformdirs
 
-from cache.settings import MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
+from cache.settings import CHOICES, CHUNK_MULTIPLE, CROSS_RULES, MINIMUM, MODE_CHOICES
 
 __all__ = [
     "APP_NAME",
@@ -315,14 +315,14 @@ class CacheConfig:
 
     mode: str = _setting(
         "auto", _Choice(*MODE_CHOICES))
-    chunk_size: int = _setting(256, _Int(multiple_of=256))
-    sinks: int = _setting(4, _Int(minimum=0))
-    window: int = _setting(1024, _Int(minimum=1))
-    evict_chunk: int = _setting(256, _Int(minimum=1))
-    kv_bits: int = _setting(8, _Choice(*QUANT_BITS))
-    kv_group_size: int = _setting(64, _Choice(*QUANT_GROUP_SIZES))
-    quant_start: int = _setting(512, _Int(minimum=0))
-    max_kv_tokens: int = _setting(4096, _Int(minimum=1))
+    chunk_size: int = _setting(256, _Int(multiple_of=CHUNK_MULTIPLE))
+    sinks: int = _setting(4, _Int(minimum=MINIMUM["sinks"]))
+    window: int = _setting(1024, _Int(minimum=MINIMUM["window"]))
+    evict_chunk: int = _setting(256, _Int(minimum=MINIMUM["evict_chunk"]))
+    kv_bits: int = _setting(8, _Choice(*CHOICES["kv_bits"]))
+    kv_group_size: int = _setting(64, _Choice(*CHOICES["kv_group_size"]))
+    quant_start: int = _setting(512, _Int(minimum=MINIMUM["quant_start"]))
+    max_kv_tokens: int = _setting(4096, _Int(minimum=MINIMUM["max_kv_tokens"]))
     long_after: int = _setting(2048, _Int(minimum=1))
 
 
@@ -598,22 +598,13 @@ def _cross_check(values: dict[str, Any], ranks: dict[str, int], labels: dict[str
         # Highest-priority source wins; ties go to the first key listed.
         return max(keys, key=lambda k: (ranks[k], -keys.index(k)))
 
-    sinks, window, budget = values["cache.sinks"], values["cache.window"], values["cache.max_kv_tokens"]
-    if window < sinks:
-        key = blame("cache.window", "cache.sinks")
-        if key == "cache.window":
-            reason = f"must be >= cache.sinks ({sinks}) (got {window})"
-        else:
-            reason = f"must be <= cache.window ({window}) (got {sinks})"
-        raise ConfigError(labels[key], key, reason)
-    if budget < sinks + window:
-        key = blame("cache.max_kv_tokens", "cache.window", "cache.sinks")
-        if key == "cache.max_kv_tokens":
-            reason = f"must be >= cache.sinks + cache.window ({sinks + window}) (got {budget})"
-        elif key == "cache.window":
-            reason = f"must be <= cache.max_kv_tokens - cache.sinks ({budget - sinks}) (got {window})"
-        else:
-            reason = f"must be <= cache.max_kv_tokens - cache.window ({budget - window}) (got {sinks})"
+    for rule in CROSS_RULES:
+        cache_values = {name: values[f"cache.{name}"] for name in rule.fields}
+        if rule.holds(cache_values):
+            continue
+        key = blame(*(f"cache.{name}" for name in rule.fields))
+        broken = rule.violation(cache_values, key.removeprefix("cache."))
+        reason = f"{broken.words(lambda name: f'cache.{name}')} (got {broken.value})"
         raise ConfigError(labels[key], key, reason)
 
 

@@ -319,7 +319,7 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     matvecs = []
     real_mv = qlinear._numpy_matvec
     monkeypatch.setattr(qlinear, "_numpy_matvec", lambda x, w, d: matvecs.append(x.shape) or real_mv(x, w, d))
-    assert fast._route.dense_np is not None and not fast._route.dense_np.flags.owndata
+    assert fast.routing.dense_np is not None and not fast.routing.dense_np.flags.owndata
     calls.clear()
     x = mx.random.normal((1, 1, 128))
     assert close(fast(x), layer(x)) and not calls and matvecs == [(1, 1, 128)]
@@ -329,11 +329,11 @@ def test_threshold_routes_and_kept_weights(monkeypatch):
     off.keep_dense()
     calls.clear()
     x = mx.random.normal((1, 1, 128))
-    assert close(off(x), layer(x)) and calls and off._route.dense_np is None
+    assert close(off(x), layer(x)) and calls and off.routing.dense_np is None
     monkeypatch.setattr(qlinear, "NUMPY_MIN_ELEMENTS", 96 * 128 + 1)  # too small to repay the sync
     small = CpuQuantizedLinear(layer, threshold=16)
     small.keep_dense()
-    assert small.has_dense and small._route.dense_np is None
+    assert small.has_dense and small.routing.dense_np is None
     fast.drop_dense()
     assert not fast.has_dense
 

@@ -65,7 +65,7 @@ def test_weights_stay_packed_and_shared():
     assert isinstance(layer, CpuQuantizedLinear) and layer.route == "kernel" and not layer.has_dense
     import numpy as np
 
-    assert np.shares_memory(layer._route.packed.packed, np.asarray(layer["weight"]))  # no copy
+    assert np.shares_memory(layer.routing.packed.packed, np.asarray(layer["weight"]))  # no copy
     after = {id(p) for _, p in __import__("mlx.utils").utils.tree_flatten(fast.parameters())}
     assert before == after
 
@@ -201,11 +201,11 @@ def test_prefill_computes_the_head_for_the_last_position_only(tied, kernels, mon
     ref, fast = model(tied=tied), model(tied=tied)
     accelerate_model(fast, backend="cpu", kernels=kernels, kernel_min_elements=0)
     head = fast.model.embed_tokens if tied else fast.lm_head
-    assert head._route.output_head and not fast.model.layers[0].mlp.up_proj._route.output_head
+    assert head.routing.output_head and not fast.model.layers[0].mlp.up_proj.routing.output_head
     seen = []  # positions the head really computed, whatever its route
     real_kernel, real_mlx = qlinear.kernel_matmul, type(head)._mlx_product
     monkeypatch.setattr(qlinear, "kernel_matmul",
-                        lambda x, route, d: (seen.append(x.shape[1]) if route is head._route else None)
+                        lambda x, route, d: (seen.append(x.shape[1]) if route is head.routing else None)
                         or real_kernel(x, route, d))
     monkeypatch.setattr(type(head), "_mlx_product", lambda self, x: seen.append(x.shape[1]) or real_mlx(self, x))
     x = mx.random.randint(0, SHAPE.vocab_size, (1, 30), key=mx.random.key(4))

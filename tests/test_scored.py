@@ -114,7 +114,7 @@ def test_attention_mass_matches_sdpa_and_sums_to_queries():
     q = mx.random.normal((1, 8, 5, 64), key=mx.random.key(1))
     k = mx.random.normal((1, 2, 20, 64), key=mx.random.key(2))
     v = mx.random.normal((1, 2, 20, 64), key=mx.random.key(3))
-    out, mass = attend_scored(q, k, v, 0.125, "causal")
+    out, mass = attend_scored(q, [("full", k, v)], 0.125, "causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     assert mx.abs(out - want).max().item() < 1e-4
     assert abs(mass.sum().item() - 8 * 5) < 1e-3  # every query head's row sums to one

@@ -229,7 +229,7 @@ def accelerate_model(
         else:
             new = CpuQuantizedLinear(m, dense_prefill_threshold, numpy_matvec)
             plan.layers.append(name)
-        new._route.output_head = _is_output_head(name, m)
+        new.routing.output_head = _is_output_head(name, m)
         replaced[name] = new
         plan.dense_bytes_wanted += new.dense_nbytes
     _set_modules(model, replaced)
@@ -245,7 +245,7 @@ def accelerate_model(
             new.keep_dense()
             plan.dense_bytes += new.dense_nbytes
             plan.dense_layers.append(name)
-            if new._route.dense_np is not None:
+            if new.routing.dense_np is not None:
                 plan.numpy_matvec_layers.append(name)
             why = "dense_weights = on" if dense_weights == "on" else f"float32 copy ({why_not})"
         else:

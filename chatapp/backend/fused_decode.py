@@ -105,7 +105,7 @@ class _Layer:
 def _weights(m) -> tuple:
     from .qlinear import packed_view
 
-    route = getattr(m, "_route", None)
+    route = getattr(m, "routing", None)
     pw = route.packed if route is not None and route.packed is not None else \
         packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)
     return pw

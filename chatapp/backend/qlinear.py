@@ -170,7 +170,7 @@ def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
 class _Routed:
     """Shared logic of the patched linear and embedding layers."""
 
-    _route: Route
+    routing: Route
 
     def _dequantized(self) -> mx.array:
         return mx.dequantize(
@@ -182,7 +182,7 @@ class _Routed:
         """The routed result, or None when MLX's quantized_matmul is the route for this call."""
         # quantized_matmul returns the promotion of the activation and scale dtypes.
         out_dtype = mx.result_type(x.dtype, self["scales"].dtype)
-        route = self._route
+        route = self.routing
         if route.output_head and x.ndim == 3 and x.shape[1] > 1 and _last_position_only.get():
             last = self._project(x[:, -1:, :])
             if last is None:
@@ -220,14 +220,14 @@ class _Routed:
 
     def use_kernel(self, kernel_max_tokens: int) -> None:
         self._drop_dense()
-        self._route.packed = packed_view(self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
-        self._route.kernel_max_tokens = kernel_max_tokens
-        self._route.kind = "kernel"
+        self.routing.packed = packed_view(self["weight"], self["scales"], self["biases"], self.bits, self.group_size)
+        self.routing.kernel_max_tokens = kernel_max_tokens
+        self.routing.kind = "kernel"
 
     def keep_dense(self) -> None:
         w = self._dequantized()
         mx.eval(w)
-        route = self._route
+        route = self.routing
         route.packed = None
         route.dense = w
         # numpy reads the same buffer (no copy); the mx.array above keeps it alive
@@ -237,24 +237,24 @@ class _Routed:
 
     def use_mlx(self) -> None:
         self._drop_dense()
-        self._route.packed = None
-        self._route.kind = "mlx"
+        self.routing.packed = None
+        self.routing.kind = "mlx"
 
     def _drop_dense(self) -> None:
-        self._route.dense = None
-        self._route.dense_np = None
+        self.routing.dense = None
+        self.routing.dense_np = None
 
     def drop_dense(self) -> None:
-        if self._route.kind == "dense":
+        if self.routing.kind == "dense":
             self.use_mlx()
 
     @property
     def has_dense(self) -> bool:
-        return self._route.dense is not None
+        return self.routing.dense is not None
 
     @property
     def route(self) -> str:
-        return self._route.kind
+        return self.routing.kind
 
 
     def _mlx_product(self, x: mx.array) -> mx.array:
@@ -273,7 +273,7 @@ class CpuQuantizedLinear(_Routed, nn.QuantizedLinear):
         if "bias" in src:
             self.bias = src["bias"]
         self.freeze()
-        self._route = Route(threshold=threshold, numpy_matvec=numpy_matvec)
+        self.routing = Route(threshold=threshold, numpy_matvec=numpy_matvec)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self._project(x)
@@ -298,10 +298,10 @@ class CpuQuantizedEmbedding(_Routed, nn.QuantizedEmbedding):
         self.scales = src["scales"]
         self.biases = src.get("biases")
         self.freeze()
-        self._route = Route(threshold=threshold, numpy_matvec=numpy_matvec)
+        self.routing = Route(threshold=threshold, numpy_matvec=numpy_matvec)
 
     def __call__(self, x: mx.array) -> mx.array:
-        dense = self._route.dense
+        dense = self.routing.dense
         if dense is not None and self["scales"].dtype == mx.float32:
             return dense[x]  # the same rows dequantize() would produce
         return super().__call__(x)

@@ -93,7 +93,7 @@ def _prompt_ids(n: int) -> list[int]:
     return ids[:n]
 
 
-def _run_peer(peer: str, spec: dict, log, module: str = "chatapp.bench.cpu_peer", describe=None) -> dict:
+def run_peer(peer: str, spec: dict, log, module: str = "chatapp.bench.cpu_peer", describe=None) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
@@ -168,7 +168,7 @@ def run_flagship(args) -> int:
         for peer in order:
             if peer == "mlx-lm" and results[peer]:
                 continue  # ~10 minutes a run: once is enough for a 10x comparison
-            results[peer].append(_run_peer(peer, spec, log))
+            results[peer].append(run_peer(peer, spec, log))
     best = {p: _best(runs) for p, runs in results.items() if runs}
     for peer, seconds in loads.items():  # the dedicated, interleaved load runs, page cache warm
         if seconds:
@@ -187,7 +187,7 @@ def _load_times(folder: Path, spec: dict, peers: list[str], rounds: int, log) ->
     out: dict[str, list[float]] = {p: [] for p in peers}
     for r in range(rounds):
         for peer in peers if r % 2 == 0 else peers[::-1]:
-            out[peer].append(_run_peer(peer, {**spec, "load_only": True}, log)["load_s"])
+            out[peer].append(run_peer(peer, {**spec, "load_only": True}, log)["load_s"])
     if out:
         log("# load s (load only, page cache warm): " + "; ".join(
             f"{p} " + ", ".join(f"{s:.1f}" for s in v) for p, v in out.items()))

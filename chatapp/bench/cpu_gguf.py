@@ -57,7 +57,7 @@ def _ids(path: str, system: str, user: str) -> tuple[list[int], list[int]]:
 
 def run_gguf(args) -> int:
     from chatapp.bench.common import loadavg
-    from chatapp.bench.cpu_flagship import _run_peer
+    from chatapp.bench.cpu_flagship import run_peer
     from chatapp.model.gguf_file import GGUFError
 
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -91,7 +91,7 @@ def run_gguf(args) -> int:
     runs: dict[str, list[dict]] = {p: [] for p in peers}
     for r in range(max(1, args.repeats)):
         for peer in peers if r % 2 == 0 else peers[::-1]:
-            runs[peer].append(_run_peer(peer, spec, log, module="chatapp.bench.cpu_gguf_peer", describe=summary))
+            runs[peer].append(run_peer(peer, spec, log, module="chatapp.bench.cpu_gguf_peer", describe=summary))
     for peer in peers:
         if peer.startswith("chatapp") and runs[peer][0].get("turn_ids") != turn:
             log(f"# WARNING: {peer} rendered the first turn differently from the ids llama.cpp was given")

@@ -45,7 +45,7 @@ def fast_exp(x):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _scores_full(q, k, scale, s):  # pragma: no cover - jitted
+def scores_full(q, k, scale, s):  # pragma: no cover - jitted
     """s[n] = scale * q . k[n] for q [D], k [N, D]."""
     D = q.shape[0]
     for n in range(k.shape[0]):
@@ -82,7 +82,7 @@ def _scores_quant(q, qsum, packed, scales, biases, bits, group_size, scale, s): 
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _softmax_inplace(s):  # pragma: no cover - jitted
+def softmax_inplace(s):  # pragma: no cover - jitted
     """s <- exp(s - max(s)); returns the sum (the caller divides once at the end)."""
     m = s[0]
     for n in range(1, s.shape[0]):
@@ -96,7 +96,7 @@ def _softmax_inplace(s):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _accumulate_full(p, v, o):  # pragma: no cover - jitted
+def accumulate_full(p, v, o):  # pragma: no cover - jitted
     """o += sum_n p[n] * v[n] for v [N, D]."""
     D = o.shape[0]
     for n in range(v.shape[0]):
@@ -130,7 +130,7 @@ def _accumulate_quant(p, packed, scales, biases, bits, group_size, o):  # pragma
 
 
 @njit(fastmath=True, cache=True, nogil=True, inline="always")
-def _rows(flat, head, head_stride, n, width):  # pragma: no cover - jitted
+def head_rows(flat, head, head_stride, n, width):  # pragma: no cover - jitted
     """Head ``head``'s [n, width] block of a flat buffer (see ``heads_view``), C-contiguous."""
     start = head * head_stride
     return flat[start:start + n * width].reshape((n, width))
@@ -151,10 +151,10 @@ def attend_full(ctl, chunk, q, kvh, k, k_stride, v, v_stride, n, scale, out):  #
             break
         for h in range(c * chunk, min(H, (c + 1) * chunk)):
             kh = h // G
-            _scores_full(q[h], _rows(k, kh, k_stride, n, D), scale, s)
-            tot = _softmax_inplace(s)
+            scores_full(q[h], head_rows(k, kh, k_stride, n, D), scale, s)
+            tot = softmax_inplace(s)
             o[:] = 0.0
-            _accumulate_full(s, _rows(v, kh, v_stride, n, D), o)
+            accumulate_full(s, head_rows(v, kh, v_stride, n, D), o)
             for j in range(D):
                 out[h, j] = o[j] / tot
         chunk_done(ctl)
@@ -190,20 +190,20 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
         for h in range(c * chunk, min(H, (c + 1) * chunk)):
             kh = h // G
             if n_head:
-                _scores_full(q[h], _rows(k_head, kh, full_strides[0], n_head, D), scale, s[:n_head])
+                scores_full(q[h], head_rows(k_head, kh, full_strides[0], n_head, D), scale, s[:n_head])
             if n_quant:
-                _scores_quant(qq[h], qqsum[h], _rows(kq, kh, quant_strides[0], n_quant, P),
-                              _rows(ks, kh, quant_strides[1], n_quant, ng),
-                              _rows(kb, kh, quant_strides[2], n_quant, ng),
+                _scores_quant(qq[h], qqsum[h], head_rows(kq, kh, quant_strides[0], n_quant, P),
+                              head_rows(ks, kh, quant_strides[1], n_quant, ng),
+                              head_rows(kb, kh, quant_strides[2], n_quant, ng),
                               bits, group_size, scale, s[n_head:n_head + n_quant])
             if n_tail:
-                _scores_full(q[h], _rows(k_tail, kh, full_strides[2], n_tail, D), scale, s[n_head + n_quant:])
-            tot = _softmax_inplace(s)
+                scores_full(q[h], head_rows(k_tail, kh, full_strides[2], n_tail, D), scale, s[n_head + n_quant:])
+            tot = softmax_inplace(s)
             o[:] = 0.0
             if n_quant:
-                _accumulate_quant(s[n_head:n_head + n_quant], _rows(vq, kh, quant_strides[3], n_quant, P),
-                                  _rows(vs, kh, quant_strides[4], n_quant, ng),
-                                  _rows(vb, kh, quant_strides[5], n_quant, ng),
+                _accumulate_quant(s[n_head:n_head + n_quant], head_rows(vq, kh, quant_strides[3], n_quant, P),
+                                  head_rows(vs, kh, quant_strides[4], n_quant, ng),
+                                  head_rows(vb, kh, quant_strides[5], n_quant, ng),
                                   bits, group_size, o)
                 if bits == 4:  # the quantised part's output is [evens | odds]: interleave it back
                     half = D // 2
@@ -212,9 +212,9 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
                         o[2 * j] = tmp[j]
                         o[2 * j + 1] = tmp[half + j]
             if n_head:
-                _accumulate_full(s[:n_head], _rows(v_head, kh, full_strides[1], n_head, D), o)
+                accumulate_full(s[:n_head], head_rows(v_head, kh, full_strides[1], n_head, D), o)
             if n_tail:
-                _accumulate_full(s[n_head + n_quant:], _rows(v_tail, kh, full_strides[3], n_tail, D), o)
+                accumulate_full(s[n_head + n_quant:], head_rows(v_tail, kh, full_strides[3], n_tail, D), o)
             for j in range(D):
                 out[h, j] = o[j] / tot
         chunk_done(ctl)

@@ -34,7 +34,7 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
+from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
 from .int8dot import q4_rows4_dot_i8, quantise_blocks
 from .llvm import as_f32, atomic_add
 from .rows4 import ROWS, q4_rows4_dot
@@ -49,7 +49,7 @@ FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
 ROW_CHUNK = 48
 # Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
 # at a barrier then reads a line the claiming thread does not write to on every claim.
-_LINE = 8  # int64s per cache line
+LINE = 8  # int64s per cache line
 
 
 @intrinsic
@@ -68,19 +68,19 @@ def _atomic_load(typingctx, arr, idx):
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _claim(ctl, phase, n):  # pragma: no cover - jitted
-    c = atomic_add(ctl, 2 * _LINE * phase, 1)
+def phase_claim(ctl, phase, n):  # pragma: no cover - jitted
+    c = atomic_add(ctl, 2 * LINE * phase, 1)
     return c if c < n else -1
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _done(ctl, phase):  # pragma: no cover - jitted
-    atomic_add(ctl, 2 * _LINE * phase + _LINE, 1)
+def phase_done(ctl, phase):  # pragma: no cover - jitted
+    atomic_add(ctl, 2 * LINE * phase + LINE, 1)
 
 
 @njit(nogil=True, cache=True)
-def _barrier(ctl, phase, n):  # pragma: no cover - jitted
-    while _atomic_load(ctl, 2 * _LINE * phase + _LINE) < n:
+def phase_barrier(ctl, phase, n):  # pragma: no cover - jitted
+    while _atomic_load(ctl, 2 * LINE * phase + LINE) < n:
         pass
 
 
@@ -158,7 +158,7 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _rope(v, cos, sin, traditional):  # pragma: no cover - jitted
+def apply_rope(v, cos, sin, traditional):  # pragma: no cover - jitted
     """Rotate v [D] in place: pairs (2i, 2i+1) when traditional, else (i, i + D/2)."""
     half = cos.shape[0]
     for i in range(half):
@@ -173,7 +173,7 @@ def _rope(v, cos, sin, traditional):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _silu_mul(g, u):  # pragma: no cover - jitted
+def silu_mul(g, u):  # pragma: no cover - jitted
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
@@ -211,7 +211,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_qkv, xq)
     n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
-        c = _claim(ctl, 0, n1)
+        c = phase_claim(ctl, 0, n1)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(nqkv, (c + 1) * ROW_CHUNK)
@@ -222,8 +222,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             if s0 < s1:
                 _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
                          False, f_qkv, xq)
-        _done(ctl, 0)
-    _barrier(ctl, 0, n1)
+        phase_done(ctl, 0)
+    phase_barrier(ctl, 0, n1)
 
     # 2. attention, one query head per chunk, over the cached rows and the new one
     s = np.empty(n_cached + 1, np.float32)
@@ -231,76 +231,76 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     kr = np.empty(D, np.float32)
     qr = np.empty(D, np.float32)
     while True:
-        h = _claim(ctl, 1, n_heads)
+        h = phase_claim(ctl, 1, n_heads)
         if h < 0:
             break
         kh = h // G
         kr[:] = k_new[kh * D:(kh + 1) * D]
-        _rope(kr, cos, sin, traditional)
+        apply_rope(kr, cos, sin, traditional)
         qr[:] = q[h * D:(h + 1) * D]
-        _rope(qr, cos, sin, traditional)
+        apply_rope(qr, cos, sin, traditional)
         if n_cached:
-            _scores_full(qr, _rows(k_cache, kh, k_stride, n_cached, D), scale, s[:n_cached])
+            scores_full(qr, head_rows(k_cache, kh, k_stride, n_cached, D), scale, s[:n_cached])
         d = np.float32(0.0)
         for j in range(D):
             d += qr[j] * kr[j]
         s[n_cached] = d * scale
-        tot = _softmax_inplace(s)
+        tot = softmax_inplace(s)
         o[:] = 0.0
         if n_cached:
-            _accumulate_full(s[:n_cached], _rows(v_cache, kh, v_stride, n_cached, D), o)
+            accumulate_full(s[:n_cached], head_rows(v_cache, kh, v_stride, n_cached, D), o)
         p = s[n_cached]
         for j in range(D):
             attn[h * D + j] = (o[j] + p * v_new[kh * D + j]) / tot
         if h % G == 0:  # one head per KV group hands the roped key back for the cache
             k_out[kh * D:(kh + 1) * D] = kr
-        _done(ctl, 1)
-    _barrier(ctl, 1, n_heads)
+        phase_done(ctl, 1)
+    phase_barrier(ctl, 1, n_heads)
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
     _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq)
     n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
-        c = _claim(ctl, 2, n3)
+        c = phase_claim(ctl, 2, n3)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
         _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq)
-        _done(ctl, 2)
-    _barrier(ctl, 2, n3)
+        phase_done(ctl, 2)
+    phase_barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
     _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_gu, xq)
     n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
-        c = _claim(ctl, 3, n4)
+        c = phase_claim(ctl, 3, n4)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
         _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq)
         _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq)
         for r in range(a, b):
-            act[r] = _silu_mul(gbuf[r - a], ubuf[r - a])
-        _done(ctl, 3)
-    _barrier(ctl, 3, n4)
+            act[r] = silu_mul(gbuf[r - a], ubuf[r - a])
+        phase_done(ctl, 3)
+    phase_barrier(ctl, 3, n4)
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
              xsum[:hidden // group_size], f_down, xq)
     n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
-        c = _claim(ctl, 4, n5)
+        c = phase_claim(ctl, 4, n5)
         if c < 0:
             break
         a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
         _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq)
-        _done(ctl, 4)
-    _barrier(ctl, 4, n5)
+        phase_done(ctl, 4)
+    phase_barrier(ctl, 4, n5)
 
 
 @intrinsic
-def _f32_at(typingctx, addr):
+def f32_at(typingctx, addr):
     """The float32 pointer at integer address ``addr`` (a buffer's data address)."""
     if addr != types.int64:
         return None
@@ -311,7 +311,7 @@ def _f32_at(typingctx, addr):
     return types.CPointer(types.float32)(types.int64), codegen
 
 
-CTL_SIZE = 2 * _LINE * PHASES
+CTL_SIZE = 2 * LINE * PHASES
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -327,8 +327,8 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
     4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*)."""
     for layer in range(bits.shape[0]):
-        k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
-        v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
+        v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],

@@ -27,17 +27,17 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .simd import _F32, _I64, _declare, _hsum, _scale_loader, _vload
+from .llvm import F32, I8
+from .simd import I64, declare, hsum, scale_loader, vload
 
 ROWS = 4
 BLOCK = 32  # activation elements per int8 scale
 ISAS = ("vnni", "avx2", "generic")
 _I32 = ir.IntType(32)
 _I16 = ir.IntType(16)
-_I8 = ir.IntType(8)
-_V32B = ir.VectorType(_I8, 32)
+_V32B = ir.VectorType(I8, 32)
 _V8I = ir.VectorType(_I32, 8)
-_V8F = ir.VectorType(_F32, 8)
+_V8F = ir.VectorType(F32, 8)
 
 
 def cpu_features() -> dict:
@@ -67,12 +67,12 @@ def _dot_i32(builder: ir.IRBuilder, isa: str, acc, u8, s8):
     """acc (<8 x i32>) + for each lane i: sum_{k<4} u8[4i+k] * s8[4i+k] (u8 unsigned, s8 signed)."""
     mod = builder.module
     if isa == "vnni":
-        f = _declare(mod, "llvm.x86.avx512.vpdpbusd.256", ir.FunctionType(_V8I, [_V8I, _V8I, _V8I]))
+        f = declare(mod, "llvm.x86.avx512.vpdpbusd.256", ir.FunctionType(_V8I, [_V8I, _V8I, _V8I]))
         return builder.call(f, [acc, builder.bitcast(u8, _V8I), builder.bitcast(s8, _V8I)])
     if isa == "avx2":
         v16s = ir.VectorType(_I16, 16)
-        maddubs = _declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(v16s, [_V32B, _V32B]))
-        maddwd = _declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(_V8I, [v16s, v16s]))
+        maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(v16s, [_V32B, _V32B]))
+        maddwd = declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(_V8I, [v16s, v16s]))
         pairs = builder.call(maddubs, [u8, s8])
         return builder.add(acc, builder.call(maddwd, [pairs, ir.Constant(v16s, [1] * 16)]))
     v32i = ir.VectorType(_I32, 32)
@@ -110,38 +110,38 @@ def make_rows4_i8(isa: str):
             r0v, gs = args[1], args[6]
             row_bytes = builder.extract_value(wa.shape, 1)
             n_groups = builder.extract_value(sa.shape, 1)
-            nblk = builder.udiv(row_bytes, ir.Constant(_I64, 32))
+            nblk = builder.udiv(row_bytes, ir.Constant(I64, 32))
             is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
             is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
             fifteen, four = ir.Constant(_V32B, [15] * 32), ir.Constant(_V32B, [4] * 32)
-            fma = _declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_V8F, [_V8F] * 3))
+            fma = declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_V8F, [_V8F] * 3))
             wrows, scalers = [], []
             for i in range(ROWS):
-                r = builder.add(r0v, ir.Constant(_I64, i))
+                r = builder.add(r0v, ir.Constant(I64, i))
                 wrows.append(builder.gep(wa.data, [builder.mul(r, row_bytes)]))
-                scalers.append(_scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
+                scalers.append(scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
             entry = builder.block
             loop = builder.append_basic_block("rows4i8.loop")
             done = builder.append_basic_block("rows4i8.done")
             zero = ir.Constant(_V8F, [0.0] * 8)
             izero = ir.Constant(_V8I, [0] * 8)
-            builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(_I64, 0)), loop, done)
+            builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(I64, 0)), loop, done)
             builder.position_at_end(loop)
-            blk = builder.phi(_I64)
+            blk = builder.phi(I64)
             accs = [builder.phi(_V8F) for _ in range(ROWS)]
-            blk.add_incoming(ir.Constant(_I64, 0), entry)
+            blk.add_incoming(ir.Constant(I64, 0), entry)
             for a in accs:
                 a.add_incoming(zero, entry)
-            base = builder.mul(blk, ir.Constant(_I64, 32))
-            xe = _vload(builder, ea.data, base, _V32B)
-            xo = _vload(builder, oa.data, base, _V32B)
-            ls = _vload(builder, la.data, builder.mul(blk, ir.Constant(_I64, 8)), _V8F)
-            two_blk = builder.mul(blk, ir.Constant(_I64, 2))
-            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(_I64, 1))))
-            second = builder.select(is32, builder.add(two_blk, ir.Constant(_I64, 1)), first)
+            base = builder.mul(blk, ir.Constant(I64, 32))
+            xe = vload(builder, ea.data, base, _V32B)
+            xo = vload(builder, oa.data, base, _V32B)
+            ls = vload(builder, la.data, builder.mul(blk, ir.Constant(I64, 8)), _V8F)
+            two_blk = builder.mul(blk, ir.Constant(I64, 2))
+            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
+            second = builder.select(is32, builder.add(two_blk, ir.Constant(I64, 1)), first)
             new_accs = []
             for i in range(ROWS):
-                b = _vload(builder, wrows[i], base, _V32B)
+                b = vload(builder, wrows[i], base, _V32B)
                 lo = builder.and_(b, fifteen)
                 hi = builder.lshr(b, four)
                 d = _dot_i32(builder, isa, _dot_i32(builder, isa, izero, lo, xe), hi, xo)
@@ -149,7 +149,7 @@ def make_rows4_i8(isa: str):
                 s1 = builder.insert_element(s0, scalers[i](second), ir.Constant(_I32, 1))
                 ws = builder.shuffle_vector(s1, s1, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
                 new_accs.append(builder.call(fma, [builder.sitofp(d, _V8F), builder.fmul(ls, ws), accs[i]]))
-            nxt = builder.add(blk, ir.Constant(_I64, 1))
+            nxt = builder.add(blk, ir.Constant(I64, 1))
             blk.add_incoming(nxt, builder.block)
             for a, n in zip(accs, new_accs):
                 a.add_incoming(n, builder.block)
@@ -160,7 +160,7 @@ def make_rows4_i8(isa: str):
                 final.add_incoming(zero, entry)
                 final.add_incoming(new_accs[i], loop)
             for i, final in enumerate(finals):
-                builder.store(_hsum(builder, final), builder.gep(outa.data, [ir.Constant(_I64, i)]))
+                builder.store(hsum(builder, final), builder.gep(outa.data, [ir.Constant(I64, i)]))
             return context.get_dummy_value()
 
         return types.none(w, r0, xqe, xqo, lane_scales, scales, group_size, out), codegen

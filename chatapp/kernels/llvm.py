@@ -15,8 +15,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
-_I8 = ir.IntType(8)
-_F32 = ir.FloatType()
+I8 = ir.IntType(8)
+F32 = ir.FloatType()
 
 
 @intrinsic
@@ -26,7 +26,7 @@ def lo_nibble(typingctx, b):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.uitofp(builder.and_(args[0], ir.Constant(_I8, 15)), _F32)
+        return builder.uitofp(builder.and_(args[0], ir.Constant(I8, 15)), F32)
 
     return types.float32(types.uint8), codegen
 
@@ -38,7 +38,7 @@ def hi_nibble(typingctx, b):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.uitofp(builder.lshr(args[0], ir.Constant(_I8, 4)), _F32)
+        return builder.uitofp(builder.lshr(args[0], ir.Constant(I8, 4)), F32)
 
     return types.float32(types.uint8), codegen
 
@@ -50,7 +50,7 @@ def byte_to_f32(typingctx, b):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.uitofp(args[0], _F32)
+        return builder.uitofp(args[0], F32)
 
     return types.float32(types.uint8), codegen
 
@@ -62,7 +62,7 @@ def half_bits_to_f32(typingctx, h):
         return None
 
     def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
 
     return types.float32(types.uint16), codegen
 
@@ -91,7 +91,7 @@ def exp2_int(typingctx, n):
         i32 = ir.IntType(32)
         e = builder.fptosi(args[0], i32)
         bits = builder.shl(builder.add(e, ir.Constant(i32, 127)), ir.Constant(i32, 23))
-        return builder.bitcast(bits, _F32)
+        return builder.bitcast(bits, F32)
 
     return types.float32(types.float32), codegen
 

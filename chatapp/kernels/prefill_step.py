@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 from numba import carray, njit
 
-from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
-from .decode_step import _LINE, _barrier, _claim, _done, _f32_at, _rope, _silu_mul
+from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
+from .decode_step import LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
 from .llvm import as_f32
 
 ROW_TILE = 16  # rows dequantised per claim: 16 x 1536 float32 = 96 KiB, inside L2
@@ -146,15 +146,15 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # prag
     N = w[0].shape[0]
     n_chunks = (N + ROW_TILE - 1) // ROW_TILE
     while True:
-        c = _claim(ctl, phase, n_chunks)
+        c = phase_claim(ctl, phase, n_chunks)
         if c < 0:
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, N - r0)
         _dequant_tile(w, bits, group_size, r0, n, tile)
         _tile_times(tile, n, xp, dst, r0, add)
-        _done(ctl, phase)
-    _barrier(ctl, phase, n_chunks)
+        phase_done(ctl, phase)
+    phase_barrier(ctl, phase, n_chunks)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -185,7 +185,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
     n0 = cq + ck + (nv + ROW_TILE - 1) // ROW_TILE
     while True:
-        c = _claim(ctl, 0, n0)
+        c = phase_claim(ctl, 0, n0)
         if c < 0:
             break
         if c < cq:
@@ -197,8 +197,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         n = min(ROW_TILE, w[0].shape[0] - r0)
         _dequant_tile(w, wb, group_size, r0, n, tile_d)
         _tile_times(tile_d, n, xp_d, dst, r0, False)
-        _done(ctl, 0)
-    _barrier(ctl, 0, n0)
+        phase_done(ctl, 0)
+    phase_barrier(ctl, 0, n0)
 
     # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t. Each
     # claim ropes the keys it reads into its own buffer (the raw keys stay shared and unchanged);
@@ -211,7 +211,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     qr = np.empty(D, np.float32)
     kr = np.empty((T, D), np.float32)
     while True:
-        u = _claim(ctl, 1, n_units)
+        u = phase_claim(ctl, 1, n_units)
         if u < 0:
             break
         h, blk = u // n_blocks, u % n_blocks
@@ -219,34 +219,34 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         t_end = min(T, (blk + 1) * TOKEN_BLOCK)
         for j in range(t_end):
             kr[j] = k_raw[j, kh * D:(kh + 1) * D]
-            _rope(kr[j], cos[j], sin[j], traditional)
+            apply_rope(kr[j], cos[j], sin[j], traditional)
         if h % G == 0 and blk == n_blocks - 1:
             for j in range(T):
                 k_new[j, kh * D:(kh + 1) * D] = kr[j]
-        kc = _rows(k_cache, kh, k_stride, n_cached, D)
-        vc = _rows(v_cache, kh, v_stride, n_cached, D)
+        kc = head_rows(k_cache, kh, k_stride, n_cached, D)
+        vc = head_rows(v_cache, kh, v_stride, n_cached, D)
         for t in range(blk * TOKEN_BLOCK, t_end):
             qr[:] = q[t, h * D:(h + 1) * D]
-            _rope(qr, cos[t], sin[t], traditional)
+            apply_rope(qr, cos[t], sin[t], traditional)
             if n_cached:
-                _scores_full(qr, kc, scale, s[:n_cached])
+                scores_full(qr, kc, scale, s[:n_cached])
             for j in range(t + 1):
                 d = np.float32(0.0)
                 for e in range(D):
                     d += qr[e] * kr[j, e]
                 s[n_cached + j] = d * scale
-            tot = _softmax_inplace(s[:n_cached + t + 1])
+            tot = softmax_inplace(s[:n_cached + t + 1])
             o[:] = 0.0
             if n_cached:
-                _accumulate_full(s[:n_cached], vc, o)
+                accumulate_full(s[:n_cached], vc, o)
             for j in range(t + 1):
                 p = s[n_cached + j]
                 for e in range(D):
                     o[e] += p * v_new[j, kh * D + e]
             for e in range(D):
                 attn[t, h * D + e] = o[e] / tot
-        _done(ctl, 1)
-    _barrier(ctl, 1, n_units)
+        phase_done(ctl, 1)
+    phase_barrier(ctl, 1, n_units)
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)
@@ -258,7 +258,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     uu = np.empty((T, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
     while True:
-        c = _claim(ctl, 3, n4)
+        c = phase_claim(ctl, 3, n4)
         if c < 0:
             break
         r0 = c * ROW_TILE
@@ -269,9 +269,9 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         _tile_times(tile_d, n, xp_d, uu, 0, False)
         for t in range(T):
             for i in range(n):
-                act[t, r0 + i] = _silu_mul(gu[t, i], uu[t, i])
-        _done(ctl, 3)
-    _barrier(ctl, 3, n4)
+                act[t, r0 + i] = silu_mul(gu[t, i], uu[t, i])
+        phase_done(ctl, 3)
+    phase_barrier(ctl, 3, n4)
 
     # 5. x += down(act)
     _permuted(act, no_norm, eps, xp_h)
@@ -279,7 +279,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
-LAYER_CTL = 2 * _LINE * 5
+LAYER_CTL = 2 * LINE * 5
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -290,8 +290,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
     takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V."""
     for layer in range(bits.shape[0]):
-        k_cache = carray(_f32_at(kv_addr[layer, 0]), (kv_size[layer],))
-        v_cache = carray(_f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
+        v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],

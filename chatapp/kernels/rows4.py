@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import _I64, _V16B, _V16F, _fma, _hsum, _scale_loader, _splat, _vload
+from .simd import I64, V16B, V16F, declare_fma, hsum, scale_loader, splat, vload
 
 ROWS = 4
 
@@ -40,55 +40,55 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         r0v, gs = args[1], args[5]
         row_bytes = builder.extract_value(wa.shape, 1)
         n_groups = builder.extract_value(sa.shape, 1)
-        nblk = builder.udiv(row_bytes, ir.Constant(_I64, 32))
+        nblk = builder.udiv(row_bytes, ir.Constant(I64, 32))
         is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
-        fifteen, four = ir.Constant(_V16B, [15] * 16), ir.Constant(_V16B, [4] * 16)
-        fma = _fma(builder)
+        fifteen, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
+        fma = declare_fma(builder)
         wrows, scalers = [], []
         for i in range(ROWS):
-            r = builder.add(r0v, ir.Constant(_I64, i))
+            r = builder.add(r0v, ir.Constant(I64, i))
             wrows.append(builder.gep(wa.data, [builder.mul(r, row_bytes)]))
-            scalers.append(_scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
+            scalers.append(scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
         entry = builder.block
         loop = builder.append_basic_block("rows4.loop")
         done = builder.append_basic_block("rows4.done")
-        zero = ir.Constant(_V16F, [0.0] * 16)
-        builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(_I64, 0)), loop, done)
+        zero = ir.Constant(V16F, [0.0] * 16)
+        builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(I64, 0)), loop, done)
         builder.position_at_end(loop)
-        blk = builder.phi(_I64)
-        accs = [builder.phi(_V16F) for _ in range(ROWS)]
-        blk.add_incoming(ir.Constant(_I64, 0), entry)
+        blk = builder.phi(I64)
+        accs = [builder.phi(V16F) for _ in range(ROWS)]
+        blk.add_incoming(ir.Constant(I64, 0), entry)
         for a in accs:
             a.add_incoming(zero, entry)
-        base = builder.mul(blk, ir.Constant(_I64, 32))
-        offs = [base, builder.add(base, ir.Constant(_I64, 16))]
-        xs = [(_vload(builder, ea.data, off, _V16F), _vload(builder, oa.data, off, _V16F)) for off in offs]
-        two_blk = builder.mul(blk, ir.Constant(_I64, 2))
-        first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(_I64, 1))))
-        second = builder.select(is32, builder.add(two_blk, ir.Constant(_I64, 1)), first)
+        base = builder.mul(blk, ir.Constant(I64, 32))
+        offs = [base, builder.add(base, ir.Constant(I64, 16))]
+        xs = [(vload(builder, ea.data, off, V16F), vload(builder, oa.data, off, V16F)) for off in offs]
+        two_blk = builder.mul(blk, ir.Constant(I64, 2))
+        first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
+        second = builder.select(is32, builder.add(two_blk, ir.Constant(I64, 1)), first)
         new_accs = []
         for i in range(ROWS):
             parts = []
             for h in range(2):
-                b = _vload(builder, wrows[i], offs[h], _V16B)
-                lo = builder.uitofp(builder.and_(b, fifteen), _V16F)
-                hi = builder.uitofp(builder.lshr(b, four), _V16F)
+                b = vload(builder, wrows[i], offs[h], V16B)
+                lo = builder.uitofp(builder.and_(b, fifteen), V16F)
+                hi = builder.uitofp(builder.lshr(b, four), V16F)
                 parts.append(builder.call(fma, [hi, xs[h][1], builder.fmul(lo, xs[h][0])]))
-            acc = builder.call(fma, [parts[0], _splat(builder, scalers[i](first), _V16F), accs[i]])
-            new_accs.append(builder.call(fma, [parts[1], _splat(builder, scalers[i](second), _V16F), acc]))
-        nxt = builder.add(blk, ir.Constant(_I64, 1))
+            acc = builder.call(fma, [parts[0], splat(builder, scalers[i](first), V16F), accs[i]])
+            new_accs.append(builder.call(fma, [parts[1], splat(builder, scalers[i](second), V16F), acc]))
+        nxt = builder.add(blk, ir.Constant(I64, 1))
         blk.add_incoming(nxt, builder.block)
         for a, n in zip(accs, new_accs):
             a.add_incoming(n, builder.block)
         builder.cbranch(builder.icmp_unsigned("<", nxt, nblk), loop, done)
         builder.position_at_end(done)
-        finals = [builder.phi(_V16F) for _ in range(ROWS)]  # phis first: LLVM wants them at the top
+        finals = [builder.phi(V16F) for _ in range(ROWS)]  # phis first: LLVM wants them at the top
         for i, final in enumerate(finals):
             final.add_incoming(zero, entry)
             final.add_incoming(new_accs[i], loop)
         for i, final in enumerate(finals):
-            builder.store(_hsum(builder, final), builder.gep(outa.data, [ir.Constant(_I64, i)]))
+            builder.store(hsum(builder, final), builder.gep(outa.data, [ir.Constant(I64, i)]))
         return context.get_dummy_value()
 
     return types.none(w, r0, xe, xo, scales, group_size, out), codegen

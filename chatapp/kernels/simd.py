@@ -16,33 +16,33 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-_F32 = ir.FloatType()
-_I8 = ir.IntType(8)
-_I64 = ir.IntType(64)
-_V16F = ir.VectorType(_F32, 16)
-_V16B = ir.VectorType(_I8, 16)
+from .llvm import F32, I8
+
+I64 = ir.IntType(64)
+V16F = ir.VectorType(F32, 16)
+V16B = ir.VectorType(I8, 16)
 
 
-def _declare(module: ir.Module, name: str, fnty: ir.FunctionType):
+def declare(module: ir.Module, name: str, fnty: ir.FunctionType):
     """The function ``name`` in ``module``, declared once (llvmlite cannot name vector intrinsics)."""
     existing = module.globals.get(name)
     return existing if existing is not None else ir.Function(module, fnty, name=name)
 
 
-def _splat(builder: ir.IRBuilder, value, vtype: ir.VectorType):
+def splat(builder: ir.IRBuilder, value, vtype: ir.VectorType):
     undef = ir.Constant(vtype, ir.Undefined)
     one = builder.insert_element(undef, value, ir.Constant(ir.IntType(32), 0))
     mask = ir.Constant(ir.VectorType(ir.IntType(32), vtype.count), [0] * vtype.count)
     return builder.shuffle_vector(one, undef, mask)
 
 
-def _vload(builder, base_ptr, index, vtype):
+def vload(builder, base_ptr, index, vtype):
     """Load a vector of ``vtype`` starting at element ``index`` of ``base_ptr`` (unaligned)."""
     p = builder.gep(base_ptr, [index])
     return builder.load(builder.bitcast(p, vtype.as_pointer()), align=1)
 
 
-def _hsum(builder, v):
+def hsum(builder, v):
     """Sum of a <16 x float> by halving shuffles."""
     n = v.type.count
     while n > 1:
@@ -60,34 +60,34 @@ def _block_loop(builder: ir.IRBuilder, n_blocks, body):
     entry = builder.block
     loop = builder.append_basic_block("rowdot.loop")
     done = builder.append_basic_block("rowdot.done")
-    zero = ir.Constant(_V16F, [0.0] * 16)
-    builder.cbranch(builder.icmp_unsigned(">", n_blocks, ir.Constant(_I64, 0)), loop, done)
+    zero = ir.Constant(V16F, [0.0] * 16)
+    builder.cbranch(builder.icmp_unsigned(">", n_blocks, ir.Constant(I64, 0)), loop, done)
     builder.position_at_end(loop)
-    blk = builder.phi(_I64)
-    acc = builder.phi(_V16F)
-    blk.add_incoming(ir.Constant(_I64, 0), entry)
+    blk = builder.phi(I64)
+    acc = builder.phi(V16F)
+    blk.add_incoming(ir.Constant(I64, 0), entry)
     acc.add_incoming(zero, entry)
     new_acc = body(blk, acc)
-    nxt = builder.add(blk, ir.Constant(_I64, 1))
+    nxt = builder.add(blk, ir.Constant(I64, 1))
     blk.add_incoming(nxt, builder.block)
     acc.add_incoming(new_acc, builder.block)
     builder.cbranch(builder.icmp_unsigned("<", nxt, n_blocks), loop, done)
     builder.position_at_end(done)
-    final = builder.phi(_V16F)
+    final = builder.phi(V16F)
     final.add_incoming(zero, entry)
     final.add_incoming(new_acc, loop)
-    return _hsum(builder, final)
+    return hsum(builder, final)
 
 
-def _fma(builder: ir.IRBuilder):
-    return _declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]))
+def declare_fma(builder: ir.IRBuilder):
+    return declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F]))
 
 
-def _scale_loader(builder: ir.IRBuilder, scales_ptr, half_scales: bool):
+def scale_loader(builder: ir.IRBuilder, scales_ptr, half_scales: bool):
     """scale(i) -> the float32 scale at index i (float16 bits converted)."""
     def load(i):
         v = builder.load(builder.gep(scales_ptr, [i]))
-        return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32) if half_scales else v
+        return builder.fpext(builder.bitcast(v, ir.HalfType()), F32) if half_scales else v
     return load
 
 
@@ -112,28 +112,28 @@ def q4_row_dot(typingctx, w, xe, xo, scales, group_size):
     def codegen(context, builder, signature, args):
         wa, ea, oa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:4], args[:4]))
         gs = args[4]
-        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(_I64, 32))  # 32 bytes: 64 weights
+        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(I64, 32))  # 32 bytes: 64 weights
         is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
-        fifteen, four = ir.Constant(_V16B, [15] * 16), ir.Constant(_V16B, [4] * 16)
-        fma, scale = _fma(builder), _scale_loader(builder, sa.data, half_scales)
+        fifteen, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
+        fma, scale = declare_fma(builder), scale_loader(builder, sa.data, half_scales)
 
         def block(blk, acc):
-            base = builder.mul(blk, ir.Constant(_I64, 32))
+            base = builder.mul(blk, ir.Constant(I64, 32))
             parts = []
             for h in range(2):
-                off = builder.add(base, ir.Constant(_I64, 16 * h))
-                b = _vload(builder, wa.data, off, _V16B)
-                lo = builder.uitofp(builder.and_(b, fifteen), _V16F)
-                hi = builder.uitofp(builder.lshr(b, four), _V16F)
-                parts.append(builder.call(fma, [hi, _vload(builder, oa.data, off, _V16F),
-                                                builder.fmul(lo, _vload(builder, ea.data, off, _V16F))]))
+                off = builder.add(base, ir.Constant(I64, 16 * h))
+                b = vload(builder, wa.data, off, V16B)
+                lo = builder.uitofp(builder.and_(b, fifteen), V16F)
+                hi = builder.uitofp(builder.lshr(b, four), V16F)
+                parts.append(builder.call(fma, [hi, vload(builder, oa.data, off, V16F),
+                                                builder.fmul(lo, vload(builder, ea.data, off, V16F))]))
             # scale index: 2 blk (+1 for the second half) with group 32, blk with 64, blk >> 1 with 128
-            two_blk = builder.mul(blk, ir.Constant(_I64, 2))
-            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(_I64, 1))))
-            second = builder.select(is32, builder.add(two_blk, ir.Constant(_I64, 1)), first)
-            acc = builder.call(fma, [parts[0], _splat(builder, scale(first), _V16F), acc])
-            return builder.call(fma, [parts[1], _splat(builder, scale(second), _V16F), acc])
+            two_blk = builder.mul(blk, ir.Constant(I64, 2))
+            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
+            second = builder.select(is32, builder.add(two_blk, ir.Constant(I64, 1)), first)
+            acc = builder.call(fma, [parts[0], splat(builder, scale(first), V16F), acc])
+            return builder.call(fma, [parts[1], splat(builder, scale(second), V16F), acc])
 
         return _block_loop(builder, nblk, block)
 
@@ -153,21 +153,21 @@ def q8_row_dot(typingctx, w, x, scales, group_size):
     def codegen(context, builder, signature, args):
         wa, xa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:3], args[:3]))
         gs = args[3]
-        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(_I64, 32))  # 32 weights
+        nblk = builder.udiv(builder.extract_value(wa.shape, 0), ir.Constant(I64, 32))  # 32 weights
         # blocks of 32 weights per scale: 1 (group 32), 2 (64) or 4 (128)
-        shift = builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 32)), ir.Constant(_I64, 0),
+        shift = builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 32)), ir.Constant(I64, 0),
                                builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 64)),
-                                              ir.Constant(_I64, 1), ir.Constant(_I64, 2)))
-        fma, scale = _fma(builder), _scale_loader(builder, sa.data, half_scales)
+                                              ir.Constant(I64, 1), ir.Constant(I64, 2)))
+        fma, scale = declare_fma(builder), scale_loader(builder, sa.data, half_scales)
 
         def block(blk, acc):
-            base = builder.mul(blk, ir.Constant(_I64, 32))
-            off = builder.add(base, ir.Constant(_I64, 16))
-            w0 = builder.uitofp(_vload(builder, wa.data, base, _V16B), _V16F)
-            w1 = builder.uitofp(_vload(builder, wa.data, off, _V16B), _V16F)
-            part = builder.call(fma, [w1, _vload(builder, xa.data, off, _V16F),
-                                      builder.fmul(w0, _vload(builder, xa.data, base, _V16F))])
-            return builder.call(fma, [part, _splat(builder, scale(builder.lshr(blk, shift)), _V16F), acc])
+            base = builder.mul(blk, ir.Constant(I64, 32))
+            off = builder.add(base, ir.Constant(I64, 16))
+            w0 = builder.uitofp(vload(builder, wa.data, base, V16B), V16F)
+            w1 = builder.uitofp(vload(builder, wa.data, off, V16B), V16F)
+            part = builder.call(fma, [w1, vload(builder, xa.data, off, V16F),
+                                      builder.fmul(w0, vload(builder, xa.data, base, V16F))])
+            return builder.call(fma, [part, splat(builder, scale(builder.lshr(blk, shift)), V16F), acc])
 
         return _block_loop(builder, nblk, block)
 

@@ -49,7 +49,7 @@ class EngineBridge:
         self._lock = threading.Lock()
 
     # -- engine thread ---------------------------------------------------------------------------
-    def _make_session(self, emit: Callable[[Any], None]):
+    def make_session(self, emit: Callable[[Any], None]):
         from chatapp.engine.setup import load_engine, session_from_config
 
         emit(LoadProgress("load", f"loading {self.config.model.id}"))
@@ -99,7 +99,7 @@ class EngineBridge:
         if notes:
             self._post(message_for(ChatNotes(notes)))
 
-    def _on_event(self, event: Any) -> None:
+    def on_event(self, event: Any) -> None:
         # TokenEvent / PrefillProgress carry the turn's live TurnStats, which the engine keeps
         # mutating; hand the UI a shallow copy of the numbers as they are now.
         stats = getattr(event, "stats", None)

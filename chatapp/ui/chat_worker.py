@@ -40,11 +40,11 @@ class _NotSaving(Exception):
 
 
 class ChatWorker(EngineWorker):
-    """``bridge`` provides ``_make_session``, ``_on_event``, ``chat``, ``emit_notes``, ``emit_transcript``
+    """``bridge`` provides ``make_session``, ``on_event``, ``chat``, ``emit_notes``, ``emit_transcript``
     and ``post_event``."""
 
     def __init__(self, bridge) -> None:
-        super().__init__(bridge._make_session, bridge._on_event)
+        super().__init__(bridge.make_session, bridge.on_event)
         self.bridge = bridge
 
     def _run(self) -> None:

@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from cache.settings import AUTO, CAPPED, EVICTING, MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES, QUANTIZING
+from cache.settings import AUTO, CAPPED, CHOICES, CROSS_RULES, EVICTING, MINIMUM, MODE_CHOICES, QUANTIZING
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
@@ -371,21 +371,17 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int]
             values[name] = int(text)
         except ValueError:
             errors[name] = "must be a whole number" if text else "required"
-    if "window" in values and values["window"] < 1:
-        errors["window"] = "must be >= 1"
-    if "sinks" in values and values["sinks"] < 0:
-        errors["sinks"] = "must be >= 0"
-    if "kv_bits" in values and values["kv_bits"] not in QUANT_BITS:
-        errors["kv_bits"] = f"must be {_one_of(QUANT_BITS)}"
-    if "kv_group_size" in values and values["kv_group_size"] not in QUANT_GROUP_SIZES:
-        errors["kv_group_size"] = f"must be {_one_of(QUANT_GROUP_SIZES)}"
-    if "max_kv_tokens" in values and values["max_kv_tokens"] < 1:
-        errors["max_kv_tokens"] = "must be >= 1"
-    if not errors.keys() & {"window", "sinks"} and values["window"] < values["sinks"]:
-        errors["window"] = f"must be >= sinks ({values['sinks']})"
-    if not errors.keys() & {"window", "sinks", "max_kv_tokens"} and \
-            values["max_kv_tokens"] < values["sinks"] + values["window"]:
-        errors["max_kv_tokens"] = f"must be >= sinks + window ({values['sinks'] + values['window']})"
+    for name in ("window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens"):
+        if name not in values:
+            continue
+        if name in CHOICES and values[name] not in CHOICES[name]:
+            errors[name] = f"must be {_one_of(CHOICES[name])}"
+        elif name in MINIMUM and values[name] < MINIMUM[name]:
+            errors[name] = f"must be >= {MINIMUM[name]}"
+    for rule in CROSS_RULES:  # each read once its fields are whole numbers in range
+        broken = None if errors.keys() & set(rule.fields) else rule.violation(values)
+        if broken is not None:
+            errors[broken.field] = broken.words()
     return values, errors
 
 
