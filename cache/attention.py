@@ -100,16 +100,9 @@ def attend_mixed(
     return attend_segments(queries, parts, scale, mask, bits, group_size, quant_queries)[0]
 
 
-def attend_segments(
-    queries: mx.array,
-    parts: Sequence[tuple[str, Any, Any]],
-    scale: float,
-    mask: Any,
-    bits: int,
-    group_size: int,
-    quant_queries: mx.array | None = None,
-    float32: bool = False,
-) -> tuple[mx.array, mx.array]:
+def attend_segments(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale: float, mask: Any, bits: int,
+                    group_size: int, quant_queries: mx.array | None = None,
+                    float32: bool = False) -> tuple[mx.array, mx.array]:
     """MLX's attention over key/value parts in sequence order: the output and the probabilities.
 
     Scores for quantised parts come from ``quantized_matmul``, for full parts from a plain

@@ -98,31 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ---- models ------------------------------------------------------------------------------------
-def filler_tokenizer(vocab_size: int):
-    """A byte-level tokenizer padded with ``<tN>`` tokens up to ``vocab_size`` ids.
-
-    Random-weight models with a large vocabulary emit any id; this tokenizer can decode them all,
-    so mlx-lm's and chatapp's detokenisers run as they would on a real model.
-    """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {ch: i for i, ch in enumerate(alphabet)}
-    vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
-    for i in range(len(vocab), vocab_size):
-        vocab[f"<t{i}>"] = i
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    return TokenizerWrapper(fast)
-
-
 def load_peer_model(spec: str, big_layers: int = 2, seed: int = 0) -> dict[str, Any]:
     """(name, model, tokenizer, description) for a ``--models`` entry."""
-    from chatapp.model.synthetic import LlamaShape, build_random_llama
+    from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
     if spec in (BIG, "7b"):
         shape = LlamaShape(hidden_size=4096, num_hidden_layers=big_layers, num_attention_heads=32,
@@ -132,12 +110,12 @@ def load_peer_model(spec: str, big_layers: int = 2, seed: int = 0) -> dict[str, 
         model, _ = build_random_llama(shape, seed=seed, quantize_bits=4)
         desc = (f"random 4-bit Llama, Llama-2-7B attention geometry (32 heads x 128, MHA, hidden 4096, "
                 f"intermediate 11008, vocab 32000), {big_layers} layers; built in {time.perf_counter() - t0:.0f} s")
-        return dict(name=BIG, model=model, tokenizer=filler_tokenizer(32000), desc=desc, big=True)
+        return dict(name=BIG, model=model, tokenizer=byte_tokenizer(32000), desc=desc, big=True)
     if spec == TINY:
         shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=64, intermediate_size=512, vocab_size=512)
         model, _ = build_random_llama(shape, seed=seed, quantize_bits=4)
-        return dict(name=TINY, model=model, tokenizer=filler_tokenizer(512), big=False,
+        return dict(name=TINY, model=model, tokenizer=byte_tokenizer(512), big=False,
                     desc="random 4-bit Llama: 2 layers, 4 heads / 2 KV heads of 64, hidden 256, vocab 512")
     from chatapp.model.loader import load_model
 

@@ -90,11 +90,13 @@ def _flat(tree, prefix=""):
     return tree_flatten(tree, prefix=prefix)
 
 
-def byte_tokenizer():
+def byte_tokenizer(vocab_size: int | None = None):
     """A byte-level tokenizer (256 byte tokens + <s>, </s>) wrapped as mlx-lm's TokenizerWrapper.
 
     Built in memory with the ``tokenizers`` library, so random-weight models get a real
-    tokenizer (streaming detokeniser included) without any files from outside.
+    tokenizer (streaming detokeniser included) without any files from outside. With
+    ``vocab_size`` it is padded with ``<tN>`` tokens up to that many ids, so a random-weight
+    model with a large vocabulary (which emits any id) can have every token decoded.
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -103,6 +105,8 @@ def byte_tokenizer():
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     vocab["<s>"], vocab["</s>"] = len(vocab), len(vocab) + 1
+    for i in range(len(vocab), vocab_size or 0):
+        vocab[f"<t{i}>"] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
