@@ -25,11 +25,21 @@ REFERENCE_IDS = {
 
 @pytest.fixture(scope="module")
 def smol():
+    """Loaded once for the module, as the app loads it on the CPU (``load_engine``): float16
+    scales kept (the prefix store's namespace takes the activations' dtype) and the CPU fast
+    path applied. Without the fast path MLX's CPU products prefill ~3 tokens/s on a busy machine
+    (minutes for the prefix test's 300-token prompt), a configuration the app never runs."""
     if not GGUF.is_file():
         pytest.skip(f"needs {GGUF} (../shared is absent)")
+    from cache.attention import decode_kernels, set_decode_kernels
+    from chatapp.backend.cpu import apply_fast_path
     from chatapp.model.loader import load_model
 
-    return load_model(str(GGUF), cast_scales=False)
+    lm = load_model(str(GGUF), cast_scales=False)
+    previous = decode_kernels()
+    apply_fast_path(lm.model, backend="cpu")
+    yield lm
+    set_decode_kernels(*previous)  # process-wide: leave none behind for other modules
 
 
 def session(lm, mode="prealloc", settings=None, system="", max_tokens=12) -> Session:
@@ -91,13 +101,9 @@ def test_resume_gives_the_cold_reply(smol, tmp_path):
     assert done.text == expected.text and done.stats.reused_tokens == expected.stats.reused_tokens
 
 
-def test_prefix_store_warm_start_gives_the_cold_reply(tmp_path):
-    # float16 scales kept, as the app loads on the CPU: the namespace takes the activations' dtype
-    if not GGUF.is_file():
-        pytest.skip(f"needs {GGUF} (../shared is absent)")
-    from chatapp.model.loader import load_model
-
-    smol = load_model(str(GGUF), cast_scales=False)
+def test_prefix_store_warm_start_gives_the_cold_reply(smol, tmp_path):
+    # float16 scales kept (the fixture), as the app loads on the CPU: the namespace takes the
+    # activations' dtype
     ident = ModelIdentity.from_loaded(smol, str(GGUF))
     system = "You are a helpful assistant. Answer in one short sentence about geography. " * 20
     with open_chat(session(smol, system=system), ident, tmp_path, prefix_cap_mb=64) as chat:
