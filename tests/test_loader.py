@@ -562,7 +562,9 @@ def test_download_path_with_fake_hub(stories_path, tmp_path, hf_cache, monkeypat
     assert reports[-1].bytes_done == reports[-1].bytes_total == rest
     assert reports[-1].files_done == reports[-1].files_total == len(files)
 
-    # An unknown repo through the same machinery
+    # An unknown repo through the same machinery (the close-name search fails at once, as with
+    # no network, instead of retrying the real hub for ~20 s)
+    fake_search(monkeypatch, httpx2.ConnectError("no network in tests: no suggestions"))
     with pytest.raises(ModelLoadError) as err:
         load_model("org/missing")
     assert "unknown model 'org/missing'" in str(err.value) and "\n" not in str(err.value)
