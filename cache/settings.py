@@ -16,7 +16,7 @@ The modes and what they mean:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
 MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
@@ -89,13 +89,13 @@ class CrossRule:
 CROSS_RULES = (CrossRule("window", ("sinks",)), CrossRule("max_kv_tokens", ("sinks", "window")))
 
 
-def cross_violations(values: Mapping[str, int]) -> list[Violation]:
-    """The broken cross-field rules, each read from its own ``field``; checking stops at the first."""
+def first_violation(values: Mapping[str, int]) -> Violation | None:
+    """The first broken cross-field rule, read from its own ``field``; None when all hold."""
     for rule in CROSS_RULES:
         broken = rule.violation(values)
         if broken is not None:
-            return [broken]
-    return []
+            return broken
+    return None
 
 
 class CacheConfigError(ValueError):
@@ -131,7 +131,8 @@ class CacheSettings:
             value = getattr(self, name)
             if value not in choices:
                 raise CacheConfigError(f"{name}: must be one of {choices} (got {value!r})")
-        for broken in cross_violations(asdict(self)):
+        broken = first_violation(vars(self))
+        if broken is not None:
             raise CacheConfigError(f"{broken.field}: {broken.words()} (got {broken.value})")
 
     @property
