@@ -60,12 +60,20 @@ class FullBuffer(_TokenBuffer):
         # The slices of the held tokens, made once per change: a decode step hands them to the
         # model, to attention and to eval, and each slice costs a few microseconds of Python.
         self._held_view: tuple[mx.array, mx.array] | None = None
+        # Writes in place (a native decode step writing its new rows through the buffers'
+        # addresses, outside MLX): ``shared`` is how many leading rows of the current buffers
+        # have been handed out (views, state, snapshots), which such a write must never change;
+        # ``pinned`` is whatever the writer keeps for the current buffers (host views and
+        # addresses), dropped before MLX writes so that MLX may reuse the buffer.
+        self.shared = 0
+        self.pinned: object | None = None
 
     @property
     def capacity(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
+        self.pinned = None  # before the write: a held host view would make MLX copy the buffer
         end = self.length + keys.shape[2]
         if end > self.capacity:
             self.keys = _grown(self.keys, end, self.step, keys)
@@ -74,16 +82,35 @@ class FullBuffer(_TokenBuffer):
         self.values[:, :, self.length : end] = values
         self.length = end
         self._held_view = None
+        # MLX's slice update made new buffers (or reused the old ones where nothing else held
+        # them): no row of these has been handed out yet
+        self.shared = 0
+
+    def writable_in_place(self, n: int) -> bool:
+        """Whether rows [length, length + n) may be written in place, outside MLX: they exist,
+        and no view handed out of these buffers covers them (after a ``trim`` below what was
+        handed out, a snapshot may still hold those rows: the next write goes through MLX)."""
+        return self.keys is not None and self.length + n <= self.capacity and self.length >= self.shared
+
+    def wrote_in_place(self, n: int) -> None:
+        """Count ``n`` rows written in place at [length, length + n) (``writable_in_place``)."""
+        if not self.writable_in_place(n):
+            raise ValueError("rows written in place over rows handed out, or past the capacity")
+        self.length += n
+        self._held_view = None
 
     def view(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         if start == 0 and end is None:
             if self._held_view is None:
                 self._held_view = (self.keys[:, :, : self.length], self.values[:, :, : self.length])
+                self.shared = max(self.shared, self.length)
             return self._held_view
         end = self.length if end is None else end
+        self.shared = max(self.shared, end)
         return self.keys[:, :, start:end], self.values[:, :, start:end]
 
     def remove(self, start: int, n: int) -> None:
+        self.pinned = None
         self.keys = _shift_left(self.keys, start, n, self.length)
         self.values = _shift_left(self.values, start, n, self.length)
         self.length -= n
@@ -92,6 +119,7 @@ class FullBuffer(_TokenBuffer):
     def rotate(self, start: int, delta: int, repos: Repositioner) -> None:
         """Re-position keys [start, length) by ``delta`` positions."""
         if delta and start < self.length:
+            self.pinned = None
             self.keys[:, :, start : self.length] = repos.shift(self.keys[:, :, start : self.length], delta)
             self._held_view = None
 

@@ -5,9 +5,12 @@ quantised products (most under 1024x1024, on MLX's slow ``quantized_matmul``) an
 element-wise ops, ~130 ms a token where llama.cpp takes ~10. ``FusedDecoder.step`` runs the
 token through `chatapp.kernels.decode_step.token_step` (per layer: norms, the 7 projections on
 the packed weights, RoPE, attention over the cache's buffers read in place, the MLP) in one
-call, then the output head on the packed kernel. The new K/V rows go into the cache through its own
-``update_and_fetch`` (MLX's slice update, copy-on-write), so the cache, its state, trimming and
-the prefix store see exactly what the MLX step would have written.
+call, then the output head on the packed kernel. The kernel writes the new K/V rows into the
+cache buffers in place (by address) and the caches count them (``wrote_in_place``), except
+where a view handed out of the buffers (a snapshot, the prefix store, ``state``) covers that row,
+which only happens after a ``trim``: that row goes through the cache's own ``update_and_fetch``
+(MLX's slice update, copy-on-write). So the cache, its state, trimming and the prefix store see
+exactly what the MLX step would have written, and no snapshot changes.
 
 ``install_fused_decode`` swaps the model's class for a subclass whose ``__call__`` takes this
 path for a single token over plain preallocated caches (``SegmentedKVCache`` with nothing
@@ -120,6 +123,10 @@ def _norm(m: nn.RMSNorm) -> np.ndarray:
 class FusedDecoder:
     """The per-layer weights as the kernel reads them, and the token step."""
 
+    # False: every new K/V row goes through update_and_fetch, as before rows were written in
+    # place (the benches' same-run baseline: chatapp bench cpu --model ... peer chatapp-append)
+    write_in_place = True
+
     def __init__(self, model: nn.Module, numerics: str = "exact"):
         inner = _inner(model)
         # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
@@ -194,6 +201,7 @@ class FusedDecoder:
         self._kv_addr = np.empty((n, 2), np.int64)
         self._kv_size = np.empty(n, np.int64)
         self._kv_stride = np.empty(n, np.int64)
+        self._write_kv = np.zeros(n, np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -214,32 +222,36 @@ class FusedDecoder:
         s, b = f32(pw.scales[token]), f32(pw.biases[token])
         return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
 
-    def _cache_buffers(self, caches: list, n_new: int) -> tuple[list, int]:
+    def _cache_buffers(self, caches: list, n_new: int) -> int:
         """Room for ``n_new`` more rows in every layer's buffers, and their addresses, sizes and
-        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the numpy views (keep
-        them alive while the kernel runs) and the rows held."""
+        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the rows held.
+
+        Each buffer's host view and address are kept on the buffer (``FullBuffer.pinned``) while
+        its arrays stay the same, which is every decode step once rows are written in place; MLX
+        writes (appends, growth) drop them first, so MLX may reuse the buffer."""
         KVH, D = self.n_kv_heads, self.head_dim
-        bufs = []
+        unpinned = []
         for c in caches:
             full = c.full
             if full.keys is None or full.length + n_new > full.capacity:
                 z = mx.zeros((1, KVH, n_new, D), mx.float32)
                 full.append(z, z)  # grows by whole chunks; the zero rows are dropped again
                 full.trim(n_new)
-            bufs += [full.keys, full.values]
-        mx.eval(*bufs)
-        held = []
-        for i, c in enumerate(caches):
-            # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
-            kf, vf = np.asarray(c.full.keys), np.asarray(c.full.values)
-            held += [kf, vf]
-            self._kv_addr[i, 0], self._kv_addr[i, 1] = kf.ctypes.data, vf.ctypes.data
-            self._kv_size[i] = kf.size
-            self._kv_stride[i] = c.full.capacity * D
+            if full.pinned is None:
+                unpinned.append(full)
+        if unpinned:
+            mx.eval(*[a for full in unpinned for a in (full.keys, full.values)])
+            for full in unpinned:
+                # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
+                kf, vf = np.asarray(full.keys), np.asarray(full.values)
+                full.pinned = (kf, vf, kf.ctypes.data, vf.ctypes.data, kf.size, full.capacity * D)
         n_cached = caches[0].full.length
-        if any(c.full.length != n_cached for c in caches):
-            raise ValueError("fused decode: the layers' caches hold different token counts")
-        return held, n_cached
+        for i, c in enumerate(caches):
+            full = c.full
+            if full.length != n_cached:
+                raise ValueError("fused decode: the layers' caches hold different token counts")
+            _, _, self._kv_addr[i, 0], self._kv_addr[i, 1], self._kv_size[i], self._kv_stride[i] = full.pinned
+        return n_cached
 
     def _head(self, x: np.ndarray) -> np.ndarray:
         """Logits [vocab] of the final hidden state ``x`` [dim]."""
@@ -258,17 +270,25 @@ class FusedDecoder:
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
-        held, n_cached = self._cache_buffers(caches, 1)
+        n_cached = self._cache_buffers(caches, 1)
+        write = self._write_kv
+        for i, c in enumerate(caches):
+            write[i] = self.write_in_place and c.full.writable_in_place(1)
         cos, sin = rope_angles(n_cached, self.inv_freq)
         x = self.embedding(token)
         pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
                          n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
-                         self.fast_mask)
-        del held
-        k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
+                         self.fast_mask, write)
+        k_new = v_new = None
         for i, c in enumerate(caches):
+            if write[i]:
+                c.wrote_in_place(1)
+                continue
+            # a row a snapshot may still hold (after a trim): through MLX, which copies the buffer
+            if k_new is None:
+                k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
             c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
         return self._head(x)
 
@@ -284,7 +304,7 @@ class FusedDecoder:
         emb = emb.astype(mx.float32) if emb.dtype != mx.float32 else emb
         mx.eval(emb)
         x = np.array(emb, np.float32)  # the kernel updates it in place
-        held, n_cached = self._cache_buffers(caches, T)
+        n_cached = self._cache_buffers(caches, T)
         cos, sin = rope_table(n_cached, T, self.inv_freq)
         hd, kd = self.n_heads * D, KVH * D
         k_out, v_out = np.empty((L, T, kd), np.float32), np.empty((L, T, kd), np.float32)
@@ -293,7 +313,6 @@ class FusedDecoder:
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32))
-        del held
         k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         for i, c in enumerate(caches):

@@ -25,7 +25,9 @@ from chatapp.bench.report import BenchReport, emit
 TEXT = Path(__file__).resolve().parent / "texts" / "kjv-ruth-esther.txt"
 SYSTEM = "You are a helpful assistant."
 USER = "Name three rivers of France and say which is longest."
-GGUF_PEERS = ("chatapp", "chatapp-fast", "llama.cpp")
+# chatapp-append: the fused step's K/V rows through update_and_fetch (the route before the
+# in-place writes), a same-run baseline
+GGUF_PEERS = ("chatapp", "chatapp-fast", "chatapp-append", "llama.cpp")
 
 
 def add_model_arguments(p) -> None:

@@ -28,7 +28,7 @@ import time
 from chatapp.bench.cpu_peer import peak_rss, peer_main, rate, step_rate
 
 
-def run_chatapp(spec: dict, numerics: str = "exact") -> dict:
+def run_chatapp(spec: dict, numerics: str = "exact", write_in_place: bool = True) -> dict:
     import mlx.core as mx
 
     from cache import make_caches
@@ -45,7 +45,11 @@ def run_chatapp(spec: dict, numerics: str = "exact") -> dict:
     t0 = time.perf_counter()
     loaded = load_engine(cfg)
     load_s = time.perf_counter() - t0
-    res: dict = {"peer": "chatapp" if numerics == "exact" else "chatapp-fast", "load_s": load_s,
+    dec = getattr(loaded.model, "_chatapp_fused", None)
+    if dec is not None:
+        dec.write_in_place = write_in_place
+    name = "chatapp-append" if not write_in_place else ("chatapp" if numerics == "exact" else "chatapp-fast")
+    res: dict = {"peer": name, "load_s": load_s,
                  "rss_after_load": peak_rss(), "plan": loaded.cpu_plan.summary()}
     session = session_from_config(cfg, loaded)
     ttft = []
@@ -89,6 +93,12 @@ def run_chatapp_fast(spec: dict) -> dict:
     return run_chatapp(spec, numerics="fast")
 
 
+def run_chatapp_append(spec: dict) -> dict:
+    """chatapp with the fused step's new K/V rows appended through update_and_fetch (the route
+    before rows were written in place): a same-run baseline."""
+    return run_chatapp(spec, write_in_place=False)
+
+
 def run_llama_cpp(spec: dict) -> dict:
     import llama_cpp
 
@@ -130,7 +140,8 @@ def run_llama_cpp(spec: dict) -> dict:
     return res
 
 
-PEERS = {"chatapp": run_chatapp, "chatapp-fast": run_chatapp_fast, "llama.cpp": run_llama_cpp}
+PEERS = {"chatapp": run_chatapp, "chatapp-fast": run_chatapp_fast, "chatapp-append": run_chatapp_append,
+         "llama.cpp": run_llama_cpp}
 
 
 def main(argv: list[str]) -> int:

@@ -18,10 +18,12 @@ caller never waits for a thread that has not started. The norms and the even/odd
 projection's input are recomputed by each thread into its own buffers (hundreds of elements)
 rather than shared, which would need one more barrier each.
 
-The new token's K/V are not written into the cache here: attention reads the cache's rows
-[0, n) in place plus the new row from ``k_new``/``v_new``, and the caller appends the new rows
-through the cache's own ``update_and_fetch`` afterwards (MLX's copy-on-write then protects any
-snapshot that shares the buffer).
+Attention reads the cache's rows [0, n) in place plus the new row from ``k_new``/``v_new``.
+The new K/V rows are written into the cache buffers in place (row n, by address) for the layers
+the caller allows (``write_kv``: rows that exist and that no view handed out of the buffers
+covers, see cache/buffers.py ``FullBuffer.writable_in_place``); for the others the caller
+appends them through the cache's own ``update_and_fetch`` (MLX's copy-on-write then protects
+any snapshot that shares the buffer).
 
 Weights are MLX's affine 4- or 8-bit layout (qmatmul.py); all projections of a layer share one
 group size. Scales/biases float32 or float16 bits (uint16), as the other kernels read them.
@@ -180,15 +182,17 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, attn, act, fast=0):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, attn, act, fast=0, write_kv=0):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
     q, k, v, o, gate, up, down. cos/sin [D/2] for the token's position. k_cache/v_cache: flat
     views of the cache's [kv_heads, capacity, D] buffers with their head strides (kernels'
     heads_view), n_cached rows held. Outputs: k_out (the new keys, roped) and v_new
-    [kv_heads * D] for the caller to append; q, k_new (before RoPE) [heads * D], attn
-    [heads * D] and act [hidden] are shared scratch."""
+    [kv_heads * D]; with ``write_kv`` they are also written into the cache buffers at row
+    n_cached (the caller made room and checked that no view handed out covers that row), else
+    the caller appends them. q, k_new (before RoPE) [heads * D], attn [heads * D] and act
+    [hidden] are shared scratch."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -254,6 +258,12 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             attn[h * D + j] = (o[j] + p * v_new[kh * D + j]) / tot
         if h % G == 0:  # one head per KV group hands the roped key back for the cache
             k_out[kh * D:(kh + 1) * D] = kr
+            if write_kv:  # and writes the new row in place (the other heads read rows < n_cached)
+                kb, vb = kh * k_stride + n_cached * D, kh * v_stride + n_cached * D
+                for j in range(D):
+                    k_cache[kb + j] = kr[j]
+                for j in range(D):
+                    v_cache[vb + j] = v_new[kh * D + j]
         phase_done(ctl, 1)
     phase_barrier(ctl, 1, n_heads)
 
@@ -317,7 +327,7 @@ CTL_SIZE = 2 * LINE * PHASES
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, attn, act, fast):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, attn, act, fast, write_kv):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -325,7 +335,9 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
     capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
-    4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*)."""
+    4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*).
+    write_kv [L] (int64): per layer, whether the new K/V row goes into the cache buffers in
+    place at row n_cached (see layer_step)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
@@ -333,7 +345,8 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
-                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast[layer])
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast[layer],
+                   write_kv[layer])
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

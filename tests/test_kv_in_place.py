@@ -1,0 +1,145 @@
+"""The fused decode step writes its new K/V rows into the cache buffers in place: the caches
+it leaves equal those of the update_and_fetch route, and nothing handed out of them (state,
+snapshots, views) ever changes, through trims and further steps."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cache import CacheSettings, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
+from cache.buffers import FullBuffer  # noqa: E402
+from chatapp.backend.cpu import apply_fast_path  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder  # noqa: E402
+from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
+
+SHAPE = LlamaShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=32, intermediate_size=256, vocab_size=256)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_kernels():
+    yield
+    set_decode_kernels(None, None)
+    set_prefill_kernel(None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_random_llama(SHAPE, seed=3, quantize_bits=4, group_size=32)
+    mx.eval(m.parameters())
+    install_attention(m)
+    apply_fast_path(m, backend="cpu", warm_up=False)
+    yield m
+    set_decode_kernels(None, None)
+    set_prefill_kernel(None)
+
+
+def _row(n: int) -> tuple[mx.array, mx.array]:
+    k = mx.full((1, 2, n, 4), 1.0)
+    return k, k + 1
+
+
+def test_buffer_rows_handed_out_are_never_writable():
+    buf = FullBuffer(step=8)
+    assert not buf.writable_in_place(1)  # no buffer yet
+    buf.append(*_row(3))
+    assert buf.writable_in_place(5) and not buf.writable_in_place(6)  # capacity 8
+    buf.view()  # rows [0, 3) handed out
+    assert buf.writable_in_place(1)
+    buf.wrote_in_place(2)
+    assert buf.length == 5 and buf.view()[0].shape[2] == 5
+    buf.trim(2)  # rows 3, 4 were handed out by the last view
+    assert not buf.writable_in_place(1)
+    with pytest.raises(ValueError):
+        buf.wrote_in_place(1)
+    buf.append(*_row(1))  # through MLX: new (or unshared) buffers
+    assert buf.writable_in_place(1)
+    buf.view(0, 7)  # a partial view past the rows held counts too
+    assert not buf.writable_in_place(1)
+
+
+def test_plain_caches_only(model):
+    caches = make_caches(model, CacheSettings(mode="window"))
+    caches[0].update_and_fetch(*[mx.zeros((1, 2, 1, 32))] * 2)
+    with pytest.raises(ValueError):
+        caches[0].wrote_in_place(1)
+
+
+def _run(model, prompt, ops, in_place: bool):
+    """Prefill ``prompt``, then ``ops`` (("step", token) / ("trim", n) / ("snap",)); returns the
+    logits of each step, the caches and the snapshots taken (each: its lazy state arrays and
+    the values they held when taken)."""
+    dec: FusedDecoder = model._chatapp_fused
+    dec.write_in_place = in_place
+    try:
+        caches = make_caches(model, CacheSettings(mode="prealloc"))
+        model(mx.array([prompt]), cache=caches)
+        logits, snaps = [], []
+        for op in ops:
+            if op[0] == "step":
+                logits.append(np.array(model(mx.array([[op[1]]]), cache=caches)[0, -1]))
+            elif op[0] == "trim":
+                for c in caches:
+                    c.trim(min(op[1], c.offset - 1))
+            else:
+                states = [c.state for c in caches]
+                snaps.append((states, [[np.array(a) for a in s] for s in states]))
+        return logits, caches, snaps
+    finally:
+        dec.write_in_place = True
+
+
+_OPS = st.lists(st.one_of(st.tuples(st.just("step"), st.integers(0, 255)),
+                          st.tuples(st.just("trim"), st.integers(1, 6)), st.tuples(st.just("snap"))),
+                min_size=1, max_size=40)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(prompt_len=st.one_of(st.integers(2, 20), st.integers(240, 255)), ops=_OPS)
+def test_in_place_rows_equal_update_and_fetch_and_snapshots_never_change(model, prompt_len, ops):
+    """Any sequence of steps, trims and snapshots (prompts near 256: the buffers grow mid-way):
+    the same logits and cached rows, bit for bit, as the route that appends every row through
+    update_and_fetch, and every snapshot still holds what it held when taken."""
+    prompt = list(range(1, prompt_len + 1))
+    ref_logits, ref_caches, _ = _run(model, prompt, ops, in_place=False)
+    logits, caches, snaps = _run(model, prompt, ops, in_place=True)
+    assert len(logits) == len(ref_logits)
+    for a, b in zip(logits, ref_logits):
+        np.testing.assert_array_equal(a, b)
+    for c, r in zip(caches, ref_caches):
+        assert c.offset == r.offset
+        for a, b in zip(c.state, r.state):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+    for states, values in snaps:
+        for s, v in zip(states, values):
+            for a, b in zip(s, v):
+                np.testing.assert_array_equal(np.array(a), b)
+
+
+def test_steps_write_in_place_without_mlx_appends(model, monkeypatch):
+    """After the prefill, decode steps add their rows without update_and_fetch (the in-place
+    route is the one taken), and the buffers stay the same arrays between steps."""
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    model(mx.array([[1, 2, 3]]), cache=caches)
+    calls = []
+    real = type(caches[0]).update_and_fetch
+    monkeypatch.setattr(type(caches[0]), "update_and_fetch", lambda self, k, v: calls.append(1) or real(self, k, v))
+    for t in (4, 5, 6):
+        model(mx.array([[t]]), cache=caches)
+    assert not calls and caches[0].offset == 6
+    # a trim below rows handed out sends the next row through MLX, then in place again
+    held = [c.state for c in caches]  # noqa: F841 - a snapshot of every layer
+    for c in caches:
+        c.trim(2)
+    model(mx.array([[7]]), cache=caches)
+    assert len(calls) == len(caches)
+    model(mx.array([[8]]), cache=caches)
+    assert len(calls) == len(caches) and caches[0].offset == 6
