@@ -89,7 +89,8 @@ def attend_mixed(
 ) -> mx.array:
     """Attention over key/value parts in sequence order.
 
-    ``parts`` holds ("full", keys, values) or ("quant", (packed, scales, biases) x2) entries.
+    ``parts`` holds ("full", keys, values) or ("quant", (packed, scales, biases) x2) entries, or
+    ("quant-channel", ChannelKeys, (packed, scales, biases)) for keys quantised per channel.
     ``quant_queries``, when given, are the queries positioned for the quantised parts (whose
     keys carry a rotation offset, see kv.py); the full parts use ``queries``.
     """
@@ -103,7 +104,7 @@ def attend_mixed(
         # MLX's CPU quantized_matmul is ~7x slower with half-precision activations.
         queries = queries.astype(mx.float32)
         quant_queries = None if quant_queries is None else quant_queries.astype(mx.float32)
-    n_kv = parts[0][1].shape[1] if parts[0][0] == "full" else parts[0][1][0].shape[1]
+    n_kv = parts[0][2].shape[1] if parts[0][0] == "full" else parts[0][2][0].shape[1]
     grouped = lambda x: (x * scale).reshape(B, n_kv, n_q // n_kv, L, D)
     qf = grouped(queries)
     qq = qf if quant_queries is None else grouped(quant_queries)
@@ -111,6 +112,8 @@ def attend_mixed(
     for kind, k, _ in parts:
         if kind == "full":
             scores.append(qf @ mx.expand_dims(k, 2).swapaxes(-1, -2))
+        elif kind == "quant-channel":  # keys per channel (quant_channel.ChannelKeys)
+            scores.append(k.scores(qq))
         else:
             kq = [mx.expand_dims(x, 2) for x in k]
             scores.append(mx.quantized_matmul(qq, *kq, transpose=True, group_size=group_size, bits=bits))

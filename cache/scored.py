@@ -83,12 +83,14 @@ def attend_mixed_scored(queries: mx.array, parts: list, scale: float, mask: Any,
     the attention mass each key received per KV head ([kv_heads, N], sequence order)."""
     B, n_q, L, D = queries.shape
     out_dtype = queries.dtype
-    n_kv = parts[0][1].shape[1] if parts[0][0] == "full" else parts[0][1][0].shape[1]
+    n_kv = parts[0][2].shape[1] if parts[0][0] == "full" else parts[0][2][0].shape[1]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)
     scores = []
     for kind, k, _ in parts:
         if kind == "full":
             scores.append(q @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2))
+        elif kind == "quant-channel":
+            scores.append(k.scores(q))
         else:
             kq = [mx.expand_dims(x, 2) for x in k]
             scores.append(mx.quantized_matmul(q, *kq, transpose=True, group_size=group_size, bits=bits))
@@ -220,7 +222,7 @@ class ScoredKVCache(SegmentedKVCache):
         if not self._quant_len():
             return attend_scored(self._obs, k, v, self._scale, mask)[1]
         s = self.sinks
-        parts = [("full", k[..., :s, :], v[..., :s, :]), ("quant", *self.quant.packed()),
+        parts = [("full", k[..., :s, :], v[..., :s, :]), (self.quant.kind, *self.quant.packed()),
                  ("full", k[..., s:, :], v[..., s:, :])]
         return attend_mixed_scored(self._obs, parts if s else parts[1:], self._scale, mask,
                                    self.quant.bits, self.quant.group_size)[1]
@@ -243,7 +245,11 @@ class ScoredKVCache(SegmentedKVCache):
     def evictable(self) -> tuple[int, int]:
         """The [start, end) range of held tokens the policy may evict (the middle)."""
         s = min(self.sinks, self.full.length)
-        return s, max(s, self._held() - (self.window or 0))
+        end = self._held() - (self.window or 0)
+        if self.quant is not None and self.quant.kind != "quant":
+            # per-channel keys are quantised in whole groups: the rest waits in the recent window
+            end = min(end, s + self._quant_len())
+        return s, max(s, end)
 
     def _maintain(self) -> None:
         self._pending = False
@@ -303,7 +309,9 @@ class ScoredKVCache(SegmentedKVCache):
         first = self.last_dropped[0] - s  # middle index of the first evicted token
         pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
         keep = [i for i, _ in pairs]
-        if not keep:
+        if q.kind != "quant":  # per-channel keys: the buffer re-groups what moved
+            q.select(keep, [d for _, d in pairs], lambda k, d: shift_each(self.repos, k, d))
+        elif not keep:
             q.keys = q.values = None
             q.length, q._held_view = 0, None
         else:

@@ -29,6 +29,9 @@ QUANTIZING = ("quantized", "window-quant", "scored-quant")
 CAPPED = ("window-quant", "scored", "scored-quant")
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+# How the quantised middle groups its keys: "token" (each token's head_dim in groups, as values
+# are) or "channel" (KIVI: each channel over groups of kv_group_size tokens; quant_channel.py).
+KEY_LAYOUTS = ("token", "channel")
 
 
 class CacheConfigError(ValueError):
@@ -46,6 +49,7 @@ class CacheSettings:
     kv_group_size: int = 64
     quant_start: int = 512  # quantized mode: tokens held at full precision before converting
     max_kv_tokens: int = 4096  # window-quant, scored: token budget; older non-sink tokens are evicted
+    kv_key_layout: str = "token"  # quantised keys grouped per token or per channel (KEY_LAYOUTS)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -68,6 +72,10 @@ class CacheSettings:
         if self.kv_group_size not in QUANT_GROUP_SIZES:
             raise CacheConfigError(
                 f"kv_group_size: must be one of {QUANT_GROUP_SIZES} (got {self.kv_group_size!r})"
+            )
+        if self.kv_key_layout not in KEY_LAYOUTS:
+            raise CacheConfigError(
+                f"kv_key_layout: must be one of {', '.join(KEY_LAYOUTS)} (got {self.kv_key_layout!r})"
             )
         if self.window < self.sinks:
             raise CacheConfigError(f"window: must be >= sinks ({self.sinks}) (got {self.window})")

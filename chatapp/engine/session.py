@@ -628,6 +628,7 @@ class Session:
         )
 
     def _attention_sparsity(self) -> float | None:
-        """Mean over layers of the scored caches' evictable attention share (None otherwise)."""
+        """Mean over layers of the evicting caches' attention share on what they could evict
+        (the scored modes' votes, the window modes' last decode queries; None otherwise)."""
         shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
         return sum(shares) / len(shares) if shares else None
