@@ -369,7 +369,7 @@ def policy_text(cache: CacheView | None) -> Text:
         out.append(f"{'policy'.ljust(width)}  {'evicted':>9}  {'quantised':>9}", style="dim")
         for m in order:
             out.append(f"\n{m.ljust(width)}  {c.evicted_by_policy.get(m, 0):>9,}  {c.quantised_by_policy.get(m, 0):>9,}")
-    out.append("\nattention on evictable tokens ", style="dim")
+    out.append("\nattn on evictable ", style="dim")
     if c.attention_sparsity is None:
         out.append("—", style="dim")
     else:
