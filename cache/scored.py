@@ -47,71 +47,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from .attention import causal_mask
 from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
 from .rope import Repositioner
 from .settings import CacheSettings
+from .sparsity import attention_mass
 
 SCORE_DECAY = 0.995  # per token attended since the last votes; a horizon of ~200 tokens
 OBSERVE = 16  # the last queries that vote at eviction time (SnapKV's observation window)
 POOL = 4  # a token's score is the mean over its +-POOL neighbours (spans, not scattered tokens)
-
-
-def attend_scored(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                  mask: Any, last: int = 0) -> tuple[mx.array, mx.array]:
-    """Attention over full-precision keys, and the attention mass each key received per KV head
-    ([kv_heads, N]); ``last`` > 0 counts only the step's last ``last`` queries."""
-    B, n_q, L, D = queries.shape
-    n_kv = keys.shape[1]
-    out_dtype = queries.dtype
-    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)
-    s = q @ mx.expand_dims(keys.astype(mx.float32), 2).swapaxes(-1, -2)
-    if isinstance(mask, str) or (mask is None and L > 1):
-        mask = causal_mask(L, s.shape[-1])
-    if mask is not None:
-        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
-    p = mx.softmax(s, axis=-1, precise=True)
-    out = p @ mx.expand_dims(values.astype(mx.float32), 2)
-    pm = p[..., -last:, :] if last else p
-    mass = pm.sum(axis=(0, 2, 3))
-    return out.reshape(B, n_q, L, -1).astype(out_dtype), mass
-
-
-def attend_mixed_scored(queries: mx.array, parts: list, scale: float, mask: Any, bits: int, group_size: int,
-                        last: int = 0) -> tuple[mx.array, mx.array]:
-    """``attend_mixed`` over sinks | quantised middle | recent (MLX path, one joint softmax), and
-    the attention mass each key received per KV head ([kv_heads, N], sequence order)."""
-    B, n_q, L, D = queries.shape
-    out_dtype = queries.dtype
-    n_kv = parts[0][2].shape[1] if parts[0][0] == "full" else parts[0][2][0].shape[1]
-    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)
-    scores = []
-    for kind, k, _ in parts:
-        if kind == "full":
-            scores.append(q @ mx.expand_dims(k.astype(mx.float32), 2).swapaxes(-1, -2))
-        elif kind == "quant-channel":
-            scores.append(k.scores(q))
-        else:
-            kq = [mx.expand_dims(x, 2) for x in k]
-            scores.append(mx.quantized_matmul(q, *kq, transpose=True, group_size=group_size, bits=bits))
-    s = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-    if isinstance(mask, str) or (mask is None and L > 1):
-        mask = causal_mask(L, s.shape[-1])
-    if mask is not None:
-        s = mx.where(mask, s, mx.finfo(s.dtype).min) if mask.dtype == mx.bool_ else s + mask
-    p = mx.softmax(s, axis=-1, precise=True)
-    out, start = None, 0
-    for (kind, _, v), sc in zip(parts, scores):
-        pi = p[..., start : start + sc.shape[-1]]
-        start += sc.shape[-1]
-        if kind == "full":
-            o = pi @ mx.expand_dims(v.astype(mx.float32), 2)
-        else:
-            vq = [mx.expand_dims(x, 2) for x in v]
-            o = mx.quantized_matmul(pi, *vq, transpose=False, group_size=group_size, bits=bits)
-        out = o if out is None else out + o
-    pm = p[..., -last:, :] if last else p
-    return out.reshape(B, n_q, L, -1).astype(out_dtype), pm.sum(axis=(0, 2, 3))
 
 
 def shift_each(repos: Repositioner, x: mx.array, deltas: mx.array) -> mx.array:
@@ -217,15 +160,16 @@ class ScoredKVCache(SegmentedKVCache):
         held = self._held()
         if self._obs is None or not held or self._obs.shape[2] > held:
             return None
-        mask = causal_mask(self._obs.shape[2], held)
-        k, v = self.full.view()
-        if not self._quant_len():
-            return attend_scored(self._obs, k, v, self._scale, mask)[1]
-        s = self.sinks
-        parts = [("full", k[..., :s, :], v[..., :s, :]), (self.quant.kind, *self.quant.packed()),
-                 ("full", k[..., s:, :], v[..., s:, :])]
-        return attend_mixed_scored(self._obs, parts if s else parts[1:], self._scale, mask,
-                                   self.quant.bits, self.quant.group_size)[1]
+        k, _ = self.full.view()
+        if self._quant_len():  # scored never rotates its middle as a whole: no delta_q here
+            qk, _ = self.quant.packed()
+            if self.quant.kind == "quant":
+                mid = mx.dequantize(*qk, group_size=self.quant.group_size, bits=self.quant.bits)
+            else:
+                mid = qk.dequantized()
+            s = self.sinks
+            k = mx.concatenate([k[..., :s, :], mid.astype(k.dtype), k[..., s:, :]], axis=2)
+        return attention_mass(self._obs, k, self._scale)
 
     def _update_scores(self) -> None:
         votes = self._votes()

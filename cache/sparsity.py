@@ -40,27 +40,42 @@ def evictable(cache) -> tuple[int, int]:
     return s, max(s, held - (cache.window or 0))
 
 
+def attention_mass(queries: mx.array, keys: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
+    """The attention mass each key receives per KV head ([kv_heads, N]) from ``queries``: by
+    default the last positions of the ``N`` keys (causal), else ``mask`` ([L, N], True where a
+    query sees a key). Scores only, no values. The keys are transposed into a contiguous copy
+    first: MLX's CPU matmul against a transposed view is ~4x slower (66 against 14 ms for 16
+    queries over 1,495 SmolLM2 keys per layer, measured on the loaded machine)."""
+    B, n_q, L, D = queries.shape
+    n_kv, N = keys.shape[1], keys.shape[2]
+    q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, L, D)
+    kt = mx.contiguous(keys.astype(mx.float32).swapaxes(-1, -2))
+    s = q @ mx.expand_dims(kt, 2)
+    if mask is None:
+        mask = mx.arange(N - L, N)[:, None] >= mx.arange(N)[None]
+    s = mx.where(mask, s, mx.finfo(s.dtype).min)
+    return mx.softmax(s, axis=-1, precise=True).sum(axis=(0, 2, 3))
+
+
 def evictable_share(cache, seen: deque) -> float | None:
-    """Share of the kept queries' attention mass (all heads, softmax over what they could see)
+    """Share of the kept queries' attention mass (all heads, softmax over what each could see)
     that falls on ``evictable(cache)``; None before a decode step or with nothing evictable."""
     held = cache.offset
     start, end = evictable(cache)
     if not seen or end <= start:
         return None
-    keys, _ = cache.content()
-    total = inside = 0.0
+    queries, ends, scale = [], [], 1.0
     for q, scale, index, evicted in seen:
         moved = cache.evicted - evicted  # tokens evicted since: the query's token moved back as much
         i = index - moved
         if not 0 <= i < held:
             continue
-        if moved and cache.repos is not None:
-            q = cache.repos.shift(q, -moved)
-        B, n_q, _, D = q.shape
-        n_kv = keys.shape[1]
-        g = (q.astype(mx.float32) * scale).reshape(B, n_kv, n_q // n_kv, 1, D)
-        s = g @ mx.expand_dims(keys[:, :, : i + 1].astype(mx.float32), 2).swapaxes(-1, -2)
-        p = mx.softmax(s, axis=-1, precise=True).sum(axis=(0, 1, 2, 3))
-        total += p.sum().item()
-        inside += p[start : min(end, i + 1)].sum().item()
-    return inside / total if total > 0 else None
+        queries.append(cache.repos.shift(q, -moved) if moved and cache.repos is not None else q)
+        ends.append(i + 1)
+    if not queries:
+        return None
+    keys, _ = cache.content()
+    mask = mx.arange(held)[None] < mx.array(ends)[:, None]
+    mass = attention_mass(mx.concatenate(queries, axis=2), keys, scale, mask).sum(axis=0)
+    total = mass.sum().item()
+    return mass[start:end].sum().item() / total if total > 0 else None

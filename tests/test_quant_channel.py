@@ -52,10 +52,12 @@ op = st.one_of(
 def test_buffer_holds_the_right_tokens_and_attention_equals_dequantise_then_attend(ops, bits, seed):
     buf = ChannelQuantBuffer(256, bits, G)
     ref_k, ref_v = [], []  # per token [1, 2, 1, 64]: what the buffer should hold (keys to rounding)
+    seen = []  # every key appended: no group's range is wider than theirs (moves add at most 3)
     for i, (kind, n) in enumerate(ops):
         if kind == "append":
             k, v = _kv(n, seed + 7 * i)
             buf.append(k, v)
+            seen.append(k)
             ref_k += [k[:, :, j : j + 1] for j in range(n)]
             ref_v += [v[:, :, j : j + 1] for j in range(n)]
         elif kind == "trim" and buf.length:
@@ -85,10 +87,12 @@ def test_buffer_holds_the_right_tokens_and_attention_equals_dequantise_then_atte
     # values are quantised once per token, and only moved: exactly what one quantisation gives
     assert mx.array_equal(v, mx.dequantize(*mx.quantize(want_v, group_size=G, bits=bits),
                                            group_size=G, bits=bits)).item()
-    # keys: within a few quantisation steps of each channel's range (re-grouped keys are
-    # quantised again from their dequantised values)
-    step = (mx.max(want_k, axis=2) - mx.min(want_k, axis=2)) / (2**bits - 1)
-    assert (mx.abs(k - want_k) <= 2.01 * mx.expand_dims(step, 2) + 1e-5).all().item()
+    # keys: each quantisation is off by at most half a step of its group's channel range, and a
+    # key is quantised at most once per operation (re-grouped keys again from their dequantised
+    # values)
+    every = mx.concatenate(seen, axis=2)
+    step = (mx.max(every, axis=2) - mx.min(every, axis=2) + 3 * len(ops)) / (2**bits - 1)
+    assert (mx.abs(k - want_k) <= 0.5 * (len(ops) + 1) * mx.expand_dims(step, 2) + 1e-4).all().item()
     # attention over the packed parts equals attention over the dequantised tokens
     sink_k, sink_v = _kv(3, seed + 99)
     rec_k, rec_v = _kv(5, seed + 98)

@@ -107,6 +107,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-layouts", type=key_layouts, default=["token"],
                    help="comma list of how the --budget-quant rows quantise keys: token (per token, the default), "
                         "channel (per channel over groups of tokens, KIVI's; rows labelled .../channel)")
+    p.add_argument("--channel-budget", type=int, default=None,
+                   help="max_kv_tokens of the .../channel rows (default: sized to equal bytes as the others, "
+                        "with a whole key group waiting at full precision)")
     p.add_argument("--rows", default=None,
                    help="comma list of row labels to run (e.g. prealloc,window-quant@512/channel); default all")
     p.add_argument("--fast-path", action="store_true",
@@ -215,6 +218,8 @@ def row_specs(args, token_sizes: tuple[int, int] | None = None) -> list[tuple[st
                 # at full precision in the recent window, so their budget is sized with them
                 residual = args.kv_group_size - 1 if layout == "channel" else 0
                 budget = equal_bytes_budget(b, w + residual, args.sinks, args.evict_chunk, *token_sizes)
+                if layout == "channel" and args.channel_budget:
+                    budget = args.channel_budget
                 for mode in ("window-quant", "scored-quant"):
                     rows.append((f"{mode}@{b}{tag}", mode,
                                  dict(max_kv_tokens=budget, window=w, kv_bits=bits, kv_key_layout=layout)))
