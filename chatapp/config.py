@@ -36,7 +36,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import platformdirs
 
-from cache.settings import MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
+from cache.settings import KEY_LAYOUTS, MODE_CHOICES, QUANT_BITS, QUANT_GROUP_SIZES
 
 __all__ = [
     "APP_NAME",
@@ -321,6 +321,7 @@ class CacheConfig:
     evict_chunk: int = _setting(256, _Int(minimum=1))
     kv_bits: int = _setting(8, _Choice(*QUANT_BITS))
     kv_group_size: int = _setting(64, _Choice(*QUANT_GROUP_SIZES))
+    kv_key_layout: str = _setting("token", _Choice(*KEY_LAYOUTS))
     quant_start: int = _setting(512, _Int(minimum=0))
     max_kv_tokens: int = _setting(4096, _Int(minimum=1))
     long_after: int = _setting(2048, _Int(minimum=1))
