@@ -392,7 +392,10 @@ class SegmentedKVCache(_CacheBase):
             n = v[2].shape[2]
             if self.quant.kind == "quant" and any(x.ndim != 4 or x.shape[2] != n for x in v[2:]):
                 raise CacheStateError("quantised key/value arrays disagree on the number of tokens")
-            self.quant.from_state(v[2:8])
+            try:
+                self.quant.from_state(v[2:8])
+            except ValueError as e:
+                raise CacheStateError(str(e)) from None
         self._pending = self._needs_maintenance()
 
     @property

@@ -212,14 +212,13 @@ class ChannelQuantBuffer:
         return [*self.keys, *self.values]
 
     def from_state(self, arrays: list[mx.array]) -> None:
-        """Restore from ``to_state``'s six arrays (keys transposed, values per token)."""
-        from .kv import CacheStateError
-
+        """Restore from ``to_state``'s six arrays (keys transposed, values per token); ValueError
+        when they do not fit (the cache reports it as a CacheStateError)."""
         if len(arrays) != 6 or any(x.ndim != 4 for x in arrays):
-            raise CacheStateError("per-channel quantised state must be six 4-d arrays")
+            raise ValueError("per-channel quantised state must be six 4-d arrays")
         n = arrays[3].shape[2]
         if any(x.shape[2] != n for x in arrays[4:6]) or any(x.shape[-1] != self._groups(n) for x in arrays[1:3]):
-            raise CacheStateError(f"per-channel quantised keys do not fit {n} quantised values")
+            raise ValueError(f"per-channel quantised keys do not fit {n} quantised values")
         self.keys, self.values, self.length, self._held_view = list(arrays[:3]), list(arrays[3:]), n, None
 
 

@@ -430,7 +430,8 @@ def run(args) -> int:
         s = r["settings"]
         rep.meta[f"settings {mode}"] = (f"sinks={s.sinks} window={s.window} evict_chunk={s.evict_chunk} "
                                         f"max_kv_tokens={s.max_kv_tokens} quant_start={s.quant_start} "
-                                        f"kv_bits={s.kv_bits} kv_group_size={s.kv_group_size} kv_key_layout={s.kv_key_layout}; "
+                                        f"kv_bits={s.kv_bits} kv_group_size={s.kv_group_size} "
+                                        f"kv_key_layout={s.kv_key_layout}; "
                                         f"most tokens held {r['max_held']}, evicted {r['evicted']}")
     for mode, why in skipped.items():
         rep.meta[f"skipped {mode}"] = why

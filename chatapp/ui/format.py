@@ -368,7 +368,8 @@ def policy_text(cache: CacheView | None) -> Text:
         width = max(len("policy"), *(len(m) for m in order))
         out.append(f"{'policy'.ljust(width)}  {'evicted':>9}  {'quantised':>9}", style="dim")
         for m in order:
-            out.append(f"\n{m.ljust(width)}  {c.evicted_by_policy.get(m, 0):>9,}  {c.quantised_by_policy.get(m, 0):>9,}")
+            evicted, quantised = c.evicted_by_policy.get(m, 0), c.quantised_by_policy.get(m, 0)
+            out.append(f"\n{m.ljust(width)}  {evicted:>9,}  {quantised:>9,}")
     out.append("\nattn on evictable ", style="dim")
     if c.attention_sparsity is None:
         out.append("—", style="dim")
