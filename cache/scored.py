@@ -15,7 +15,9 @@ tokens from anywhere in the middle, so every kept key after an evicted one moves
 amount (per-token re-rotation, ``shift_each``). In scored-quant the moved keys are dequantised,
 re-rotated and quantised again (values never move, so they are taken as stored): the one lossy
 step, once per eviction that passes a key; 8-bit measured better than 4-bit at equal bytes
-(SmolLM2, BENCHMARKS.md), so the bench's equal-bytes rows use 8.
+(SmolLM2, BENCHMARKS.md), so the bench's equal-bytes rows use 8. With keys per channel
+(``kv_key_layout = "channel"``, quant_channel.py) the buffer re-groups the keys from the first
+evicted token's group on; that measured worse than per-token keys here (17.86 against 17.81).
 
 The score, and why (measured on SmolLM2-135M, KJV text, 1,536 tokens, budget 512, chunked
 teacher forcing; window 512: ppl 18.98 after 512, full cache 18.75):
