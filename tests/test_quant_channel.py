@@ -130,6 +130,7 @@ def test_channel_caches_equal_a_full_pass_over_what_they_hold(mode, bits):
     ids = random_ids(110, seed=6)
     kept = list(ids[:10])
     model(mx.array([kept]), cache=caches)
+    quantised = False
     for t in ids[10:]:
         before = c.evicted
         got = model(mx.array([[t]]), cache=caches)[0, -1]
@@ -138,9 +139,10 @@ def test_channel_caches_equal_a_full_pass_over_what_they_hold(mode, bits):
         kept.append(t)
         if c.offset:  # settles the policy
             kept = drop(kept, c, c.evicted - before)
+            quantised = quantised or c.usage().quant_tokens > 0
             if mode == "window-quant":  # flushed and evicted in whole groups
                 assert c.usage().quant_tokens % G == 0
-    assert c.evicted > 0 and c.usage().quant_tokens > 0
+    assert c.evicted > 0 and quantised  # it evicted, and attended over a quantised middle
     assert c.offset <= s.max_kv_tokens + s.evict_chunk + G
 
 
