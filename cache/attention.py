@@ -89,7 +89,8 @@ def attend_mixed(
 ) -> mx.array:
     """Attention over key/value parts in sequence order.
 
-    ``parts`` holds ("full", keys, values) or ("quant", (packed, scales, biases) x2) entries.
+    ``parts`` holds ("full", keys, values) or ("quant", (packed, scales, biases) x2) entries, or
+    ("quant-channel", ChannelKeys, (packed, scales, biases)) for keys quantised per channel.
     ``quant_queries``, when given, are the queries positioned for the quantised parts (whose
     keys carry a rotation offset, see kv.py); the full parts use ``queries``.
     """
@@ -97,35 +98,33 @@ def attend_mixed(
         out = _decode_mixed_kernel(queries, parts, scale, mask, bits, group_size, quant_queries)
         if out is not None:
             return out
-    return attend_segments(queries, parts, scale, mask, bits, group_size, quant_queries)[0]
+    return attend_segments(queries, parts, scale, mask, bits, group_size, quant_queries)
 
 
 def attend_segments(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale: float, mask: Any, bits: int,
-                    group_size: int, quant_queries: mx.array | None = None,
-                    float32: bool = False) -> tuple[mx.array, mx.array]:
-    """MLX's attention over key/value parts in sequence order: the output and the probabilities.
+                    group_size: int, quant_queries: mx.array | None = None) -> mx.array:
+    """MLX's attention over key/value parts in sequence order.
 
     Scores for quantised parts come from ``quantized_matmul``, for full parts from a plain
     matmul; one softmax runs over the joined scores and the parts' outputs are summed.
-    ``float32`` computes in float32 throughout (full keys and values cast too: the scored
-    caches' votes); otherwise only half-precision queries on the CPU are cast, since MLX's CPU
-    quantized_matmul is ~7x slower with them. The probabilities are [B, kv_heads, n_q / kv_heads,
-    L, N] (lazy: free unless used).
+    Half-precision queries on the CPU are cast to float32, since MLX's CPU quantized_matmul is
+    ~7x slower with them.
     """
     B, n_q, L, D = queries.shape
     out_dtype = queries.dtype
-    if float32 or (out_dtype != mx.float32 and mx.default_device() == mx.cpu):
+    if out_dtype != mx.float32 and mx.default_device() == mx.cpu:
         queries = queries.astype(mx.float32)
         quant_queries = None if quant_queries is None else quant_queries.astype(mx.float32)
-    full = (lambda x: x.astype(mx.float32)) if float32 else (lambda x: x)
-    n_kv = parts[0][1].shape[1] if parts[0][0] == "full" else parts[0][1][0].shape[1]
+    n_kv = parts[0][2].shape[1] if parts[0][0] == "full" else parts[0][2][0].shape[1]
     grouped = lambda x: (x * scale).reshape(B, n_kv, n_q // n_kv, L, D)
     qf = grouped(queries)
     qq = qf if quant_queries is None else grouped(quant_queries)
     scores = []
     for kind, k, _ in parts:
         if kind == "full":
-            scores.append(qf @ mx.expand_dims(full(k), 2).swapaxes(-1, -2))
+            scores.append(qf @ mx.expand_dims(k, 2).swapaxes(-1, -2))
+        elif kind == "quant-channel":  # keys per channel (quant_channel.ChannelKeys)
+            scores.append(k.scores(qq))
         else:
             kq = [mx.expand_dims(x, 2) for x in k]
             scores.append(mx.quantized_matmul(qq, *kq, transpose=True, group_size=group_size, bits=bits))
@@ -140,12 +139,12 @@ def attend_segments(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], sc
         pi = p[..., start : start + sc.shape[-1]]
         start += sc.shape[-1]
         if kind == "full":
-            o = pi @ mx.expand_dims(full(v), 2)
+            o = pi @ mx.expand_dims(v, 2)
         else:
             vq = [mx.expand_dims(x, 2) for x in v]
             o = mx.quantized_matmul(pi, *vq, transpose=False, group_size=group_size, bits=bits)
         out = o if out is None else out + o
-    return out.reshape(B, n_q, L, -1).astype(out_dtype), p
+    return out.reshape(B, n_q, L, -1).astype(out_dtype)
 
 
 def _make_dispatch(original):

@@ -130,6 +130,8 @@ class FullBuffer(_TokenBuffer):
 class QuantBuffer(_TokenBuffer):
     """Quantised K/V (packed uint32 + scales + biases), quantised along head_dim."""
 
+    kind = "quant"  # its part in attention.attend_mixed (quant_channel.py has the other layout)
+
     def __init__(self, step: int, bits: int, group_size: int):
         self.step, self.bits, self.group_size = step, bits, group_size
         self.keys: list[mx.array] | None = None  # [packed, scales, biases]
@@ -188,6 +190,20 @@ class QuantBuffer(_TokenBuffer):
             mx.dequantize(*k, group_size=self.group_size, bits=self.bits),
             mx.dequantize(*v, group_size=self.group_size, bits=self.bits),
         )
+
+    def flushable(self, n: int) -> int:
+        return n  # any number of tokens (per-channel keys take whole groups)
+
+    def front_cut(self, n: int) -> int:
+        return n
+
+    def to_state(self) -> list[mx.array]:
+        k, v = self.packed()
+        return [*k, *v]
+
+    def from_state(self, arrays: list[mx.array]) -> None:
+        self.keys, self.values, self.length = list(arrays[:3]), list(arrays[3:6]), arrays[0].shape[2]
+        self._held_view = None
 
     def remove_front(self, n: int) -> None:
         self.keys = [_shift_left(b, 0, n, self.length) for b in self.keys]

@@ -19,9 +19,11 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .attention import attend_full, attend_mixed, prefill_kernel
-from .buffers import FullBuffer, QuantBuffer
+from .buffers import FullBuffer
+from .quant_channel import quant_buffer
 from .rope import Repositioner
 from .settings import CacheSettings
+from .sparsity import evictable_share, observer, record
 from .usage import CacheUsage
 
 
@@ -180,7 +182,7 @@ class SegmentedKVCache(_CacheBase):
         self.sinks, self.window, self.budget = sinks, window, budget
         self.quant_start, self.chunk = quant_start, settings.evict_chunk
         self.full = FullBuffer(settings.chunk_size)
-        self.quant = QuantBuffer(settings.chunk_size, settings.kv_bits, settings.kv_group_size) if quantize else None
+        self.quant = quant_buffer(settings) if quantize else None
         self.repos = repositioner
         self.delta_q = 0
         self.evicted = 0
@@ -195,6 +197,8 @@ class SegmentedKVCache(_CacheBase):
         self._dispatched: bool | None = None
         self._awaiting_attend = False
         self._plain = self.quant is None and budget is None
+        # An evicting cache's last decode queries, for attention_sparsity (sparsity.py).
+        self._seen = observer() if budget is not None else None
 
     # ---- protocol -------------------------------------------------------------------------
     @property
@@ -236,6 +240,8 @@ class SegmentedKVCache(_CacheBase):
         """Attention for the step that just wrote its tokens (see attention.py)."""
         if self._awaiting_attend:
             self._awaiting_attend, self._dispatched = False, True  # the dispatch is in place
+        if self._seen is not None and queries.shape[2] == 1:
+            record(self._seen, queries, scale, self._held() - 1, self.evicted)
         k, v = self.full.view()
         if not self._quant_len():
             return attend_full(queries, k, v, scale, mask)
@@ -248,7 +254,7 @@ class SegmentedKVCache(_CacheBase):
         s = self.sinks
         parts = [
             ("full", k[..., :s, :], v[..., :s, :]),
-            ("quant", qk, qv),
+            (self.quant.kind, qk, qv),
             ("full", k[..., s:, :], v[..., s:, :]),
         ]
         if not s:
@@ -278,6 +284,8 @@ class SegmentedKVCache(_CacheBase):
         """Drop the last ``n`` tokens held (recent first, then quantised, then sinks)."""
         if self._pending:
             self._maintain()
+        if self._seen is not None:
+            self._seen.clear()  # the recorded queries may be among the trimmed tokens
         want, done = n, 0
         floor = self.sinks if self._quant_len() else 0
         take = min(want, self.full.length - min(floor, self.full.length))
@@ -294,6 +302,11 @@ class SegmentedKVCache(_CacheBase):
         if not self._quant_len():
             self.delta_q = 0
         return done
+
+    def attention_sparsity(self) -> float | None:
+        """Share of the last decode steps' attention on what the policy could evict next
+        (sparsity.py); None for the modes that never evict."""
+        return evictable_share(self, self._seen) if self._seen is not None else None
 
     def usage(self) -> CacheUsage:
         if self._pending:
@@ -339,6 +352,9 @@ class SegmentedKVCache(_CacheBase):
 
     def _flush(self, n: int) -> None:
         """Quantise the ``n`` oldest recent tokens into the middle."""
+        n = self.quant.flushable(n)
+        if n <= 0:
+            return
         s = self.sinks if self.full.length > self.sinks else 0
         k, v = self.full.view(s, s + n)
         if self.delta_q:
@@ -349,7 +365,8 @@ class SegmentedKVCache(_CacheBase):
 
     def _evict(self, n: int) -> None:
         """Drop the ``n`` oldest non-sink tokens and move what follows back by ``n`` positions."""
-        from_quant = min(n, self._quant_len())
+        from_quant = self.quant.front_cut(min(n, self._quant_len())) if self._quant_len() else 0
+        n = max(n, from_quant)
         if from_quant:
             self.quant.remove_front(from_quant)
             self.delta_q = self.delta_q + from_quant if self.quant.length else 0
@@ -368,8 +385,7 @@ class SegmentedKVCache(_CacheBase):
         k, v = self.full.view()
         out = [k, v]
         if self._quant_len():
-            qk, qv = self.quant.packed()
-            out += list(qk) + list(qv)
+            out += self.quant.to_state()
         return out
 
     @state.setter
@@ -385,14 +401,17 @@ class SegmentedKVCache(_CacheBase):
             raise CacheStateError(f"the state holds quantised tokens but {self.mode} keeps none")
         self.full = FullBuffer(self.settings.chunk_size)
         if self.quant is not None:
-            self.quant = QuantBuffer(self.settings.chunk_size, self.settings.kv_bits, self.settings.kv_group_size)
+            self.quant = quant_buffer(self.settings)
         if v:
             self.full.append(v[0], v[1])
         if len(v) == 8:
             n = v[2].shape[2]
-            if any(x.ndim != 4 or x.shape[2] != n for x in v[2:]):
+            if self.quant.kind == "quant" and any(x.ndim != 4 or x.shape[2] != n for x in v[2:]):
                 raise CacheStateError("quantised key/value arrays disagree on the number of tokens")
-            self.quant.hold(list(v[2:5]), list(v[5:8]), n)
+            try:
+                self.quant.from_state(v[2:8])
+            except ValueError as e:
+                raise CacheStateError(str(e)) from None
         self._pending = self._needs_maintenance()
 
     @property

@@ -15,7 +15,9 @@ tokens from anywhere in the middle, so every kept key after an evicted one moves
 amount (per-token re-rotation, ``shift_each``). In scored-quant the moved keys are dequantised,
 re-rotated and quantised again (values never move, so they are taken as stored): the one lossy
 step, once per eviction that passes a key; 8-bit measured better than 4-bit at equal bytes
-(SmolLM2, BENCHMARKS.md), so the bench's equal-bytes rows use 8.
+(SmolLM2, BENCHMARKS.md), so the bench's equal-bytes rows use 8. With keys per channel
+(``kv_key_layout = "channel"``, quant_channel.py) the buffer re-groups the keys from the first
+evicted token's group on; that measured worse than per-token keys here (17.86 against 17.81).
 
 The score, and why (measured on SmolLM2-135M, KJV text, 1,536 tokens, budget 512, chunked
 teacher forcing; window 512: ppl 18.98 after 512, full cache 18.75):
@@ -47,25 +49,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from .attention import attend_segments, causal_mask
 from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
 from .rope import Repositioner
 from .settings import CacheSettings
+from .sparsity import attention_mass
 
 SCORE_DECAY = 0.995  # per token attended since the last votes; a horizon of ~200 tokens
 OBSERVE = 16  # the last queries that vote at eviction time (SnapKV's observation window)
 POOL = 4  # a token's score is the mean over its +-POOL neighbours (spans, not scattered tokens)
-
-
-def attend_scored(queries: mx.array, parts: list, scale: float, mask: Any, bits: int = 8, group_size: int = 64,
-                  last: int = 0) -> tuple[mx.array, mx.array]:
-    """Attention over sinks | quantised middle | recent, or over one ("full", keys, values)
-    part (``attend_segments`` in float32, one joint softmax), and the attention mass each key
-    received per KV head ([kv_heads, N], sequence order); ``last`` > 0 counts only the step's
-    last ``last`` queries."""
-    out, p = attend_segments(queries, parts, scale, mask, bits, group_size, float32=True)
-    pm = p[..., -last:, :] if last else p
-    return out, pm.sum(axis=(0, 2, 3))
 
 
 def shift_each(repos: Repositioner, x: mx.array, deltas: mx.array) -> mx.array:
@@ -171,15 +162,16 @@ class ScoredKVCache(SegmentedKVCache):
         held = self._held()
         if self._obs is None or not held or self._obs.shape[2] > held:
             return None
-        mask = causal_mask(self._obs.shape[2], held)
-        k, v = self.full.view()
-        if not self._quant_len():
-            return attend_scored(self._obs, [("full", k, v)], self._scale, mask)[1]
-        s = self.sinks
-        parts = [("full", k[..., :s, :], v[..., :s, :]), ("quant", *self.quant.packed()),
-                 ("full", k[..., s:, :], v[..., s:, :])]
-        return attend_scored(self._obs, parts if s else parts[1:], self._scale, mask,
-                             self.quant.bits, self.quant.group_size)[1]
+        k, _ = self.full.view()
+        if self._quant_len():  # scored never rotates its middle as a whole: no delta_q here
+            qk, _ = self.quant.packed()
+            if self.quant.kind == "quant":
+                mid = mx.dequantize(*qk, group_size=self.quant.group_size, bits=self.quant.bits)
+            else:
+                mid = qk.dequantized()
+            s = self.sinks
+            k = mx.concatenate([k[..., :s, :], mid.astype(k.dtype), k[..., s:, :]], axis=2)
+        return attention_mass(self._obs, k, self._scale)
 
     def _update_scores(self) -> None:
         votes = self._votes()
@@ -199,7 +191,11 @@ class ScoredKVCache(SegmentedKVCache):
     def evictable(self) -> tuple[int, int]:
         """The [start, end) range of held tokens the policy may evict (the middle)."""
         s = min(self.sinks, self.full.length)
-        return s, max(s, self._held() - (self.window or 0))
+        end = self._held() - (self.window or 0)
+        if self.quant is not None and self.quant.kind != "quant":
+            # per-channel keys are quantised in whole groups: the rest waits in the recent window
+            end = min(end, s + self._quant_len())
+        return s, max(s, end)
 
     def _maintain(self) -> None:
         self._pending = False
@@ -259,7 +255,9 @@ class ScoredKVCache(SegmentedKVCache):
         first = self.last_dropped[0] - s  # middle index of the first evicted token
         pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
         keep = [i for i, _ in pairs]
-        if not keep:
+        if q.kind != "quant":  # per-channel keys: the buffer re-groups what moved
+            q.select(keep, [d for _, d in pairs], lambda k, d: shift_each(self.repos, k, d))
+        elif not keep:
             q.hold(None, None, 0)
         else:
             packed_k, packed_v = q.packed()

@@ -30,6 +30,9 @@ QUANTIZING = ("quantized", "window-quant", "scored-quant")
 CAPPED = ("window-quant", "scored", "scored-quant")
 QUANT_BITS = (4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
+# How the quantised middle groups its keys: "token" (each token's head_dim in groups, as values
+# are) or "channel" (KIVI: each channel over groups of kv_group_size tokens; quant_channel.py).
+KEY_LAYOUTS = ("token", "channel")
 
 # The rules of the cache settings, written once: config, the mode dialog and CacheSettings.validate
 # each word them (dotted keys, dialog fields, setting names) but none restates them.
@@ -113,6 +116,7 @@ class CacheSettings:
     kv_group_size: int = 64
     quant_start: int = 512  # quantized mode: tokens held at full precision before converting
     max_kv_tokens: int = 4096  # window-quant, scored: token budget; older non-sink tokens are evicted
+    kv_key_layout: str = "token"  # quantised keys grouped per token or per channel (KEY_LAYOUTS)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,6 +135,10 @@ class CacheSettings:
             value = getattr(self, name)
             if value not in choices:
                 raise CacheConfigError(f"{name}: must be one of {choices} (got {value!r})")
+        if self.kv_key_layout not in KEY_LAYOUTS:
+            raise CacheConfigError(
+                f"kv_key_layout: must be one of {', '.join(KEY_LAYOUTS)} (got {self.kv_key_layout!r})"
+            )
         broken = first_violation(vars(self))
         if broken is not None:
             raise CacheConfigError(f"{broken.field}: {broken.words()} (got {broken.value})")

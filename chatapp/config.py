@@ -36,7 +36,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import platformdirs
 
-from cache.settings import CHOICES, CHUNK_MULTIPLE, CROSS_RULES, MINIMUM, MODE_CHOICES
+from cache.settings import CHOICES, CHUNK_MULTIPLE, CROSS_RULES, KEY_LAYOUTS, MINIMUM, MODE_CHOICES
 
 __all__ = [
     "APP_NAME",
@@ -321,6 +321,7 @@ class CacheConfig:
     evict_chunk: int = _setting(256, _Int(minimum=MINIMUM["evict_chunk"]))
     kv_bits: int = _setting(8, _Choice(*CHOICES["kv_bits"]))
     kv_group_size: int = _setting(64, _Choice(*CHOICES["kv_group_size"]))
+    kv_key_layout: str = _setting("token", _Choice(*KEY_LAYOUTS))
     quant_start: int = _setting(512, _Int(minimum=MINIMUM["quant_start"]))
     max_kv_tokens: int = _setting(4096, _Int(minimum=MINIMUM["max_kv_tokens"]))
     long_after: int = _setting(2048, _Int(minimum=1))

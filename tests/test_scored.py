@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from cache import CacheSettings, make_caches
 from cache.factory import restore_caches
-from cache.scored import attend_scored
+from cache.sparsity import attention_mass
 from tests.conftest import tiny_llama
 from tests.test_cache import TOL, decode, drop, random_ids
 
@@ -110,13 +110,14 @@ def test_evicted_cache_equals_a_full_pass_over_what_it_holds(mode, bits, limit):
         assert caches[0].usage().quant_tokens > 0
 
 
-def test_attention_mass_matches_sdpa_and_sums_to_queries():
+def test_attention_mass_matches_the_softmax_and_sums_to_queries():
     q = mx.random.normal((1, 8, 5, 64), key=mx.random.key(1))
     k = mx.random.normal((1, 2, 20, 64), key=mx.random.key(2))
-    v = mx.random.normal((1, 2, 20, 64), key=mx.random.key(3))
-    out, mass = attend_scored(q, [("full", k, v)], 0.125, "causal")
-    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
-    assert mx.abs(out - want).max().item() < 1e-4
+    mass = attention_mass(q, k, 0.125)
+    s = (q.reshape(1, 2, 4, 5, 64) * 0.125) @ mx.expand_dims(k, 2).swapaxes(-1, -2)
+    causal = mx.arange(15, 20)[:, None] >= mx.arange(20)[None]
+    want = mx.softmax(mx.where(causal, s, -1e30), axis=-1).sum(axis=(0, 2, 3))
+    assert mass.shape == (2, 20) and mx.abs(mass - want).max().item() < 1e-5
     assert abs(mass.sum().item() - 8 * 5) < 1e-3  # every query head's row sums to one
 
 
@@ -166,6 +167,40 @@ def test_attention_sparsity_is_the_middle_share_and_shown_in_the_status_bar():
     items = status_items("m", "scored", None, CacheView(mode="scored", attention_sparsity=share))
     assert any(i.label == "attn on evictable" and i.value == f"{share:.0%}" for i in items)
     assert not any(i.label == "attn on evictable" for i in status_items("m", "window", None, CacheView(mode="window")))
+
+
+@pytest.mark.parametrize("mode", ["window", "window-quant"])
+def test_window_modes_report_the_share_of_the_last_queries_on_what_they_evict_next(mode):
+    """The window modes keep their last decode steps' queries (no work per step) and attend them
+    over what is held when asked: the share on the middle (window-quant) or on the oldest
+    evict_chunk non-sink tokens (window), equal to a direct softmax over the dequantised keys."""
+    from cache.sparsity import evictable
+
+    model = tiny_llama(layers=1)
+    s = CacheSettings(mode=mode, sinks=4, window=24, evict_chunk=8, max_kv_tokens=56, kv_group_size=32)
+    c = make_caches(model, s)[0]
+    assert c.attention_sparsity() is None  # nothing attended yet
+    k, v = mx.random.normal((1, 2, 70, 64), key=mx.random.key(1)), mx.random.normal((1, 2, 70, 64))
+    c.absorb(k, v)
+    assert c.offset and c.evicted > 0  # settled: it evicted (and window-quant quantised)
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(2))
+    c.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    c.attend(q, 0.125, None)
+    start, end = evictable(c)
+    assert end > start
+    keys, _ = c.content()
+    p = mx.softmax((q.reshape(1, 2, 4, 1, 64) * 0.125) @ mx.expand_dims(keys, 2).swapaxes(-1, -2), axis=-1)
+    mass = p.sum(axis=(0, 1, 2, 3))
+    want = mass[start:end].sum().item() / mass.sum().item()
+    assert abs(c.attention_sparsity() - want) < 1e-5
+    if mode == "window":
+        assert (start, end) == (4, 12)  # the next eviction's evict_chunk oldest non-sink tokens
+    else:
+        assert (start, end) == (4, c.offset - 24) and c.usage().quant_tokens > 0
+    c.trim(1)
+    assert c.attention_sparsity() is None  # the recorded query was trimmed
+    prealloc = make_caches(model, CacheSettings(mode="prealloc"))[0]
+    assert prealloc.attention_sparsity() is None
 
 
 MODES_ALL = ["concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant"]

@@ -389,7 +389,10 @@ async def test_mode_dialog_validates_and_switches_and_marks_evicted_messages(sto
         widgets = [e.widget for e in app.entries]
         assert all(w.has_class("evicted") and EVICTED_TAG in w.tags for w in widgets[:first_visible])
         assert not any(w.has_class("evicted") for w in widgets[first_visible:])
-        assert app.query_one(StatusBar).plain.endswith(f"/{app.cache_view.evicted:,}")
+        bar = app.query_one(StatusBar).plain
+        assert f"/{app.cache_view.evicted:,} | " in bar  # the full/quant/evicted item
+        # window shows the share of the last turn's attention on its next eviction's tokens
+        assert bar.endswith(f"attn on evictable {app.cache_view.attention_sparsity:.0%}")
 
 
 @async_test

@@ -27,6 +27,7 @@ from chatapp.ui.format import (
     model_label,
     next_mode,
     pack,
+    policy_text,
     render_lines,
     spark,
     status_items,
@@ -333,3 +334,16 @@ def test_run_tui_reports_a_load_failure_on_stderr(tmp_path, monkeypatch, capsys)
     assert code == 2
     assert f"chatapp: error: {tmp_path} is missing config.json" in err
     assert "Traceback" in err  # --verbose prints the details after the screen is gone
+
+
+def test_policy_text_lists_each_policy_s_tallies_and_the_attention_share():
+    empty = policy_text(CacheView(mode="prealloc")).plain
+    assert "nothing evicted or quantised yet" in empty and "attn on evictable —" in empty
+    view = CacheView(mode="scored-quant", evicted_by_policy={"scored-quant": 1536, "window": 64},
+                     quantised_by_policy={"window-quant": 2048, "scored-quant": 960}, attention_sparsity=0.373)
+    lines = policy_text(view).plain.splitlines()
+    assert lines[0].split() == ["policy", "evicted", "quantised"]
+    # in the modes' order, each with both tallies (0 where it did not act)
+    assert [ln.split() for ln in lines[1:4]] == [["window", "64", "0"], ["window-quant", "0", "2,048"],
+                                                 ["scored-quant", "1,536", "960"]]
+    assert lines[4] == "attn on evictable 37% of the last turn's"

@@ -110,3 +110,24 @@ async def test_a_resumed_conversation_is_marked_restored(stories4_path, tmp_path
         assert "kv restored" in await screen_text(pilot)
         await turn(pilot, "The cat")
         assert states(app) == ["restored", "restored", "held", "held"]
+
+
+@async_test
+async def test_side_panel_shows_what_each_policy_evicted_and_quantised_and_the_attention_share():
+    from chatapp.ui.widgets import SidePanel
+
+    app = make_app(kvquant_model(), **SMALL_WINDOW)
+    async with app.run_test(size=(110, 48)) as pilot:
+        await ready(pilot)
+        for q in QUESTIONS[:3]:
+            await turn(pilot, q)
+        await pilot.press("f2")
+        await pilot.pause()
+        view = app.cache_view
+        assert view.evicted_by_policy["window-quant"] == view.evicted > 0
+        assert view.quantised_by_policy["window-quant"] > 0
+        assert view.attention_sparsity is not None and 0 <= view.attention_sparsity <= 1
+        text = str(app.query_one(SidePanel).query_one("#policies").render())
+        row = next(line for line in text.splitlines() if line.startswith("window-quant"))
+        assert row.split() == ["window-quant", f"{view.evicted:,}", f"{view.quantised_by_policy['window-quant']:,}"]
+        assert f"attn on evictable {view.attention_sparsity:.0%} of the last turn's" in text

@@ -61,3 +61,22 @@ def test_mode_dialog(snap_compare, stories4_path):
         await _settle(pilot)
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_side_panel_policies(snap_compare):
+    """The side panel of a window-quant conversation that evicted and quantised: the policies
+    section at its foot shows both tallies and the share of the last turn's attention."""
+    from test_ui_markers import QUESTIONS, SMALL_WINDOW
+
+    from tests.kvquant_folder import kvquant_model
+
+    app = make_app(kvquant_model(), **SMALL_WINDOW)
+
+    async def run_before(pilot):
+        await ready(pilot)
+        for q in QUESTIONS[:3]:
+            await turn(pilot, q)
+        await pilot.press("f2")
+        await _settle(pilot)
+
+    assert snap_compare(app, terminal_size=(110, 48), run_before=run_before)

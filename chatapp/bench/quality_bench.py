@@ -65,6 +65,16 @@ def budget_list(text: str) -> list[int]:
     return out
 
 
+def key_layouts(text: str) -> list[str]:
+    from cache.settings import KEY_LAYOUTS
+
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in KEY_LAYOUTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"key layouts must be among {', '.join(KEY_LAYOUTS)} (got {text!r})")
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default ../shared/models/stories260K)")
     p.add_argument("--random", action="store_true",
@@ -94,6 +104,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "quantised to --budget-bits): the comparison at equal bytes, not equal tokens")
     p.add_argument("--budget-bits", type=int, choices=(4, 8), default=None,
                    help="kv_bits of the --budget-quant rows (default --kv-bits)")
+    p.add_argument("--key-layouts", type=key_layouts, default=["token"],
+                   help="comma list of how the --budget-quant rows quantise keys: token (per token, the default), "
+                        "channel (per channel over groups of tokens, KIVI's; rows labelled .../channel)")
+    p.add_argument("--channel-budget", type=int, default=None,
+                   help="max_kv_tokens of the .../channel rows (default: sized to equal bytes as the others, "
+                        "with a whole key group waiting at full precision)")
+    p.add_argument("--rows", default=None,
+                   help="comma list of row labels to run (e.g. prealloc,window-quant@512/channel); default all")
     p.add_argument("--fast-path", action="store_true",
                    help="score through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
@@ -193,10 +211,24 @@ def row_specs(args, token_sizes: tuple[int, int] | None = None) -> list[tuple[st
         rows.append((f"scored@{b}", "scored", dict(max_kv_tokens=b, window=min(args.window, b // 4))))
         if args.budget_quant and token_sizes is not None:
             w = min(args.window, b // 4)
-            budget = equal_bytes_budget(b, w, args.sinks, args.evict_chunk, *token_sizes)
             bits = args.budget_bits or args.kv_bits
-            for mode in ("window-quant", "scored-quant"):
-                rows.append((f"{mode}@{b}", mode, dict(max_kv_tokens=budget, window=w, kv_bits=bits)))
+            for layout in args.key_layouts:
+                tag = "" if layout == "token" else f"/{layout}"
+                # per-channel keys are flushed in whole groups: up to kv_group_size - 1 more tokens wait
+                # at full precision in the recent window, so their budget is sized with them
+                residual = args.kv_group_size - 1 if layout == "channel" else 0
+                budget = equal_bytes_budget(b, w + residual, args.sinks, args.evict_chunk, *token_sizes)
+                if layout == "channel" and args.channel_budget:
+                    budget = args.channel_budget
+                for mode in ("window-quant", "scored-quant"):
+                    rows.append((f"{mode}@{b}{tag}", mode,
+                                 dict(max_kv_tokens=budget, window=w, kv_bits=bits, kv_key_layout=layout)))
+    if args.rows:
+        wanted = [x.strip() for x in args.rows.split(",") if x.strip()]
+        bad = [x for x in wanted if x not in {label for label, _, _ in rows}]
+        if bad:
+            raise SystemExit(f"--rows: unknown rows {bad}; choose from {', '.join(label for label, _, _ in rows)}")
+        rows = [r for r in rows if r[0] in wanted]
     return rows
 
 
@@ -398,7 +430,8 @@ def run(args) -> int:
         s = r["settings"]
         rep.meta[f"settings {mode}"] = (f"sinks={s.sinks} window={s.window} evict_chunk={s.evict_chunk} "
                                         f"max_kv_tokens={s.max_kv_tokens} quant_start={s.quant_start} "
-                                        f"kv_bits={s.kv_bits} kv_group_size={s.kv_group_size}; "
+                                        f"kv_bits={s.kv_bits} kv_group_size={s.kv_group_size} "
+                                        f"kv_key_layout={s.kv_key_layout}; "
                                         f"most tokens held {r['max_held']}, evicted {r['evicted']}")
     for mode, why in skipped.items():
         rep.meta[f"skipped {mode}"] = why

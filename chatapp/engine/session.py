@@ -84,6 +84,7 @@ class Session:
         self.history: list[TurnStats] = []  # every finished turn, for comparisons and plots
         self._cancel = cancel if cancel is not None else threading.Event()
         self._first_visible = 0
+        self._sparsity: float | None = None  # the last full view's attention sparsity
         # Leading tokens (the system prompt) the evicting modes never evict.
         self.pinned = self._system_tokens()
         self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
@@ -614,6 +615,8 @@ class Session:
             starts = starts + [len(self.cached)]
             first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
         self._first_visible = first_visible
+        if scan_messages:  # one attention pass per layer: once per turn, not in the live views
+            self._sparsity = self._attention_sparsity()
         return CacheView(
             mode=self.mode, tokens=usage.tokens, capacity=usage.capacity,
             full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=evicted,
@@ -622,12 +625,13 @@ class Session:
             memory_total=memory_total(),
             conversation_tokens=len(self.cached), first_visible_message=first_visible,
             per_layer_bytes=[c.nbytes for c in self.caches],
-            attention_sparsity=self._attention_sparsity(), messages=rows,
+            attention_sparsity=self._sparsity, messages=rows,
             evicted_by_policy=dict(getattr(self.caches[0], "evicted_by", {})),
             quantised_by_policy=dict(getattr(self.caches[0], "quantised_by", {})),
         )
 
     def _attention_sparsity(self) -> float | None:
-        """Mean over layers of the scored caches' evictable attention share (None otherwise)."""
+        """Mean over layers of the evicting caches' attention share on what they could evict
+        (the scored modes' votes, the window modes' last decode queries; None otherwise)."""
         shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
         return sum(shares) / len(shares) if shares else None

@@ -60,7 +60,7 @@ def cache_settings_from(config, mode: str | None = None) -> CacheSettings:
         return CacheSettings(
             mode=mode if mode != "auto" else "prealloc", chunk_size=c.chunk_size, sinks=c.sinks,
             window=c.window, evict_chunk=c.evict_chunk, kv_bits=c.kv_bits, kv_group_size=c.kv_group_size,
-            quant_start=c.quant_start, max_kv_tokens=c.max_kv_tokens,
+            quant_start=c.quant_start, max_kv_tokens=c.max_kv_tokens, kv_key_layout=c.kv_key_layout,
         )
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None

@@ -31,8 +31,9 @@ class CacheView:
     conversation_tokens: int = 0  # tokens the whole conversation renders to
     first_visible_message: int = 0  # messages before this one are outside the model's window
     per_layer_bytes: list[int] = field(default_factory=list)
-    # Scored mode: share of the recent attention mass (decayed, ~200 queries) that fell on tokens
-    # the policy could evict (the middle, not sinks or recent window); None for other modes.
+    # Evicting modes: share of the last queries' attention mass that fell on tokens the policy
+    # could evict (scored, scored-quant, window-quant: the middle, not sinks or recent window;
+    # window: the oldest evict_chunk non-sink tokens, its next eviction); None for other modes.
     attention_sparsity: float | None = None
     # What the cache holds of each message (engine/cache_map.py); empty in live views while streaming.
     messages: list[MessageCache] = field(default_factory=list)

@@ -354,6 +354,31 @@ def mode_table(history: Iterable[TurnStats]) -> list[ModeRow]:
     return rows
 
 
+def policy_text(cache: CacheView | None) -> Text:
+    """The side panel's cache policies: the tokens each policy (cache mode) evicted and quantised
+    in this conversation, across mode switches, and the share of the last turn's attention that
+    fell on the tokens the current policy could evict (None outside the evicting modes)."""
+    c = cache or CacheView()
+    tallies = {**c.evicted_by_policy, **c.quantised_by_policy}
+    order = [m for m in MODES if m in tallies] + sorted(m for m in tallies if m not in MODES)
+    out = Text(no_wrap=True, overflow="ellipsis")
+    if not order:
+        out.append("nothing evicted or quantised yet", style="dim")
+    else:
+        width = max(len("policy"), *(len(m) for m in order))
+        out.append(f"{'policy'.ljust(width)}  {'evicted':>9}  {'quantised':>9}", style="dim")
+        for m in order:
+            evicted, quantised = c.evicted_by_policy.get(m, 0), c.quantised_by_policy.get(m, 0)
+            out.append(f"\n{m.ljust(width)}  {evicted:>9,}  {quantised:>9,}")
+    out.append("\nattn on evictable ", style="dim")
+    if c.attention_sparsity is None:
+        out.append("—", style="dim")
+    else:
+        out.append(f"{c.attention_sparsity:.0%}", style="bold")
+        out.append(" of the last turn's", style="dim")
+    return out
+
+
 # ---- the mode dialog -------------------------------------------------------------------------------
 def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
     """Parse and check the dialog's fields (the same rules as ``CacheSettings.validate``).

@@ -31,6 +31,7 @@ from .format import (
     hbar,
     mode_table,
     pack,
+    policy_text,
     render_lines,
     spark,
     steps_by_context,
@@ -414,6 +415,8 @@ class SidePanel(VerticalScroll):
         yield MemoryChart(id="memory-chart")
         yield Static("Cache modes in this session", classes="panel-title")
         yield ModeTable(id="modes-table")
+        yield Static("Cache policies: tokens evicted / quantised", classes="panel-title")
+        yield Static(policy_text(None), id="policies", markup=False)
 
     def update_panel(self, steps: Iterable[StepStat], cache: CacheView | None,
                      history: Iterable[TurnStats], memory: Sequence[MemoryGauges] = (),
@@ -434,3 +437,4 @@ class SidePanel(VerticalScroll):
         self.query_one("#memory-chart", MemoryChart).set_trace(memory, memory_now)
         self.mode_rows = mode_table(history)
         self.query_one("#modes-table", ModeTable).set_rows(self.mode_rows)
+        self.query_one("#policies", Static).update(policy_text(cache))
