@@ -180,20 +180,28 @@ class FusedDecoder:
         if any(layer.eps != self._eps for layer in self.layers):
             raise ValueError("fused decode: layers with different norm eps")
         n = len(self.layers)
-        from chatapp.kernels.decode_step import FAST_ALL
-
-        # per layer, which products run on int8 activations (decode_step.FAST_*). Under
-        # numerics = fast all of them but the last layer's: SmolLM2, 512 tokens of a text
-        # teacher-forced, perplexity +1.17% with every layer on int8, +0.41% with the last exact
-        # (first exact: +0.65%, first and last: +0.71%, down_proj exact everywhere: +1.52%).
-        self.fast_mask = np.full(n, FAST_ALL if self.fast else 0, np.int64)
-        if self.fast and n > 1:
-            self.fast_mask[-1] = 0
+        self.set_fast(self.fast)
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
         self._kv_addr = np.empty((n, 2), np.int64)
         self._kv_size = np.empty(n, np.int64)
         self._kv_stride = np.empty(n, np.int64)
+
+    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True) -> None:
+        """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
+        with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
+        SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
+        layer on int8, +0.41% with the last exact (first exact +0.65%, first and last +0.71%,
+        down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md."""
+        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT
+
+        if act_block not in (0, 8, 16, 32):
+            raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
+        n = len(self.layers)
+        self.fast = fast
+        self.fast_mask = np.full(n, (FAST_ALL | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
+        if fast and last_exact and n > 1:
+            self.fast_mask[-1] = 0
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -347,9 +355,10 @@ def numerics_line(numerics: str) -> str:
     """How the fused step's 4-bit products are computed, for the plan and --show-config."""
     if numerics != "fast":
         return "numerics exact (float32 activations)"
-    from chatapp.kernels.int8dot import ISA, ISA_NAMES
+    from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
 
-    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]}; the last layer exact)"
+    return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {ISA_NAMES[ISA]}; "
+            "the last layer exact)")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
@@ -380,6 +389,11 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         model.__class__ = base
     if "_chatapp_fused" in getattr(model, "__dict__", {}):
         object.__delattr__(model, "_chatapp_fused")
+
+
+def fused_decoder(model) -> "FusedDecoder | None":
+    """The model's FusedDecoder when the fused step is installed (benches adjust its numerics)."""
+    return getattr(model, "_chatapp_fused", None)
 
 
 def steps_synchronously(model) -> bool:
