@@ -1,6 +1,7 @@
 """cpu.numerics = fast: the int8 dot-product rows (kernels/int8dot.py) against mx.dequantize then
-matmul and against a model of their integer sums, every instruction variant this CPU can run, the fused decode step with them, and the
-choice of instruction from the CPU's features (mocked: no feature is assumed)."""
+matmul and against a model of their integer sums, every instruction variant this CPU can run,
+the fused decode step with them, and the choice of instruction from the CPU's features
+(mocked: no feature is assumed)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import pytest
 
 pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
 
-from numba import njit  # noqa: E402
-
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from numba import njit  # noqa: E402
 
 from chatapp.kernels import int8dot  # noqa: E402
 from chatapp.kernels.int8dot import ISAS, detect_isa, make_rows_i8, quantise_lanes  # noqa: E402

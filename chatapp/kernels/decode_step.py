@@ -216,7 +216,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         blk = ACT_BLOCK
 
     # 1. q, k, v rows (one phase over their rows together)
-    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_qkv, xq, blk)
+    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
+             f_qkv, xq, blk)
     n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 0, n1)
@@ -279,7 +280,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     _barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
-    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_gu, xq, blk)
+    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
+             f_gu, xq, blk)
     n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = _claim(ctl, 3, n4)

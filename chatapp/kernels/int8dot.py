@@ -67,7 +67,8 @@ def detect_isa(features: dict | None = None) -> str:
     return "generic"
 
 
-ISA_NAMES = {"vnni512": "AVX-512 VNNI vpdpbusd (512-bit)", "vnni": "VNNI vpdpbusd (256-bit)", "avx2": "AVX2 vpmaddubsw+vpmaddwd", "generic": "portable vector code"}
+ISA_NAMES = {"vnni512": "AVX-512 VNNI vpdpbusd (512-bit)", "vnni": "VNNI vpdpbusd (256-bit)",
+             "avx2": "AVX2 vpmaddubsw+vpmaddwd", "generic": "portable vector code"}
 
 
 def _dot_i32(builder: ir.IRBuilder, isa: str, acc, u8, s8):
