@@ -282,7 +282,8 @@ class FusedDecoder:
 
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
-        chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32)."""
+        chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32; with
+        numerics fast the products of fast_mask on int8 activations, kernels/int8tile.py)."""
         from chatapp.kernels.pool import pool
         from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
 
@@ -300,7 +301,8 @@ class FusedDecoder:
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
-                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32))
+                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
+                         self.fast_mask)
         del held
         k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
