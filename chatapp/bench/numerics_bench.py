@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per speed run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="speed runs per route, alternating (default 3)")
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
+    p.add_argument("--prefill", type=int, default=256,
+                   help="also: the first N text tokens as one prefill chunk (the fused prefill), the rest "
+                   "teacher-forced, for each route (0: skip; default 256)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer on int8 too (default: none)")
@@ -66,6 +69,26 @@ def _teacher_forced(model, ids: list[int]):
     caches = make_caches(model, CacheSettings(mode="prealloc"))
     out = []
     for t in ids[:-1]:
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(np.array(logits))
+    return out
+
+
+def _prefilled(model, ids: list[int], n: int):
+    """Per-position logits of ids[n:] after a prefill chunk of ids[:n] (the session's route)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from cache import CacheSettings, make_caches
+    from chatapp.backend.qlinear import last_position_only
+
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    with last_position_only():
+        first = model(mx.array([ids[:n]]), cache=caches)[0, -1]
+    mx.eval(first)
+    out = [np.array(first)]
+    for t in ids[n:-1]:
         logits = model(mx.array([[t]]), cache=caches)[0, -1]
         mx.eval(logits)
         out.append(np.array(logits))
@@ -122,6 +145,9 @@ def run(args) -> int:
     ex = logits["exact"]
     rel = {n: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(lg, ex)) for n, lg in logits.items()}
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
+    pre = {}
+    if 0 < args.prefill < len(ids) - 1:
+        pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
     rates: dict[str, list[float]] = {"exact": [], "fast": []}
     for r in range(max(1, args.repeats)):
         for n in ("exact", "fast") if r % 2 == 0 else ("fast", "exact"):
@@ -134,6 +160,14 @@ def run(args) -> int:
         rep.add(n, ppl[n], ppl[n] / ppl["exact"], rel[n], agree[n],
                 ", ".join(f"{v:.1f}" for v in rates.get(n, [])),
                 ", ".join(f"{a / b:.2f}" for a, b in zip(rates.get(n, []), rates["exact"])))
+    if pre:
+        tail = ids[args.prefill - 1:]
+        p_ex, p_fa = _ppl(pre["exact"], tail), _ppl(pre["fast"], tail)
+        d = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(pre["fast"], pre["exact"]))
+        rep.add(f"exact, prefill {args.prefill}", p_ex, 1.0, 0.0, 1.0, "", "")
+        agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
+        rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
+        ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")
     rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)

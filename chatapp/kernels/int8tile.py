@@ -19,8 +19,23 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .int8dot import (ISA, ISAS, WIDE, _V16F, _V16I, _V32B, _V64B, _V8F, _declare, _dot_i32_wide, _hsum, _I64,
-                      _is, _lane_params, _vload)
+from .int8dot import (
+    _I64,
+    _V8F,
+    _V16F,
+    _V16I,
+    _V32B,
+    _V64B,
+    ISA,
+    ISAS,
+    WIDE,
+    _declare,
+    _dot_i32_wide,
+    _hsum,
+    _is,
+    _lane_params,
+    _vload,
+)
 
 ROWS, TOKENS = 4, 4  # 4 x 4 measured best of 4x1, 4x2, 2x4, 8x2 (same process, busy machine)
 

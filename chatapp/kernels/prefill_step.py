@@ -28,7 +28,7 @@ import numpy as np
 from numba import carray, njit
 
 from .attention import _accumulate_full, _rows, _scores_full, _softmax_inplace
-from .decode_step import FAST_BLOCK_SHIFT, _LINE, _barrier, _claim, _done, _f32_at, _rope, _silu_mul
+from .decode_step import _LINE, FAST_BLOCK_SHIFT, _barrier, _claim, _done, _f32_at, _rope, _silu_mul
 from .int8dot import ACT_BLOCK
 from .int8tile import ROWS, TOKENS, q4_tile_i8, quantise_tokens
 from .llvm import as_f32
