@@ -382,7 +382,8 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))
     return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
-            f"prefill chunks: one native call each (float32); {numerics_line(numerics)}")
+            f"prefill chunks: one native call each ({'the same int8 products' if numerics == 'fast' else 'float32'}); "
+            f"{numerics_line(numerics)}")
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:
