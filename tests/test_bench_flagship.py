@@ -57,7 +57,7 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
     out = tmp_path / "flagship.json"
     rc = main(["cpu", "--geometry", "llama2-7b", "--model-dir", str(tmp_path / "m"), "--prompt", "24",
                "--short", "6", "--greedy", "4", "--decode-tokens", "3", "--contexts", "300",
-               "--long-tokens", "2", "--peers", "chatapp,chatapp-unfused,mlx-lm", "--load-rounds", "1",
+               "--long-tokens", "2", "--peers", "chatapp,chatapp-unfused,mlx-lm,chatapp-gguf", "--load-rounds", "1",
                "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -65,9 +65,12 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
     data = json.loads(out.read_text())
     rows = {r[0]: r for r in data["rows"]}
     same_mlx, same_unfused = data["columns"].index("greedy = mlx-lm"), data["columns"].index("greedy = chatapp-unfused")
-    assert set(rows) == {"chatapp", "chatapp-unfused", "mlx-lm"}
+    assert set(rows) == {"chatapp", "chatapp-unfused", "mlx-lm", "chatapp-gguf"}
     assert rows["chatapp"][same_mlx] == "yes" and rows["chatapp"][same_unfused] == "yes"
     assert rows["chatapp-unfused"][same_mlx] == "yes"
     long = {(r[0], r[1]) for r in data["meta"]["long"]["rows"]}
-    assert long == {("chatapp prealloc", 300), ("chatapp window-quant", 300), ("chatapp-unfused", 300), ("mlx-lm", 300)}
+    assert long == {(f"{p} {m}", 300) for p in ("chatapp", "chatapp-unfused", "chatapp-gguf")
+                    for m in ("prealloc", "window-quant")} | {("mlx-lm", 300)}
+    # chatapp on the Q4_0 GGUF (group 32) runs the same numbers as the folder (group 64)
+    assert rows["chatapp-gguf"][data["columns"].index("greedy = chatapp")] == "yes"
     assert all(r[3] > 0 for r in data["meta"]["long"]["rows"])

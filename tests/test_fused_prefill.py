@@ -103,3 +103,27 @@ def test_fast_numerics_keeps_the_last_layer_exact_and_a_cleared_mask_is_exact():
     assert not np.array_equal(got_fast, want)  # int8 activations in layer 0 change the numbers
     dec.fast_mask[:] = 0
     assert np.array_equal(step_logits(fast), want)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group_size=st.sampled_from([32, 64]), cached=st.integers(0, 20), tokens=st.integers(2, 23),
+       seed=st.integers(0, 3))
+def test_fast_prefill_stays_close_to_the_exact_one(group_size, cached, tokens, seed):
+    """numerics fast: the prefill's 4-bit products on int8 activations (int8tile.py, 4 rows x 4
+    tokens, token counts that are no multiple of 4 included): last logits and every cached K/V
+    within int8 rounding of the exact fused prefill; a cleared mask gives the exact numbers."""
+    exact = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
+    fast = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
+    apply_fast_path(exact, backend="cpu", warm_up=False)
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    fast._chatapp_fused.set_fast(True, last_exact=False)  # two layers: both on int8
+    ids = [int(t) for t in mx.random.randint(0, 256, (cached + tokens,), key=mx.random.key(seed))]
+    (a, ca), (b, cb) = (_prefill(m, ids[:cached], ids[cached:]) for m in (exact, fast))
+    assert not np.array_equal(a, b)
+    assert np.abs(a - b).max() <= 5e-2 * np.abs(a).max()  # two layers of int8 rounding
+    for x, y in zip(cb, ca):
+        (kx, vx), (ky, vy) = x.full.view(), y.full.view()
+        for p, q in ((np.array(kx), np.array(ky)), (np.array(vx), np.array(vy))):
+            assert np.abs(p - q).max() <= 5e-2 * np.abs(q).max()
+    fast._chatapp_fused.set_fast(False)
+    assert np.array_equal(_prefill(fast, ids[:cached], ids[cached:])[0], a)

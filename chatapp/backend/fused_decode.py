@@ -187,21 +187,29 @@ class FusedDecoder:
         if any(layer.eps != self._eps for layer in self.layers):
             raise ValueError("fused decode: layers with different norm eps")
         n = len(self.layers)
-        from chatapp.kernels.decode_step import FAST_ALL
-
-        # per layer, which products run on int8 activations (decode_step.FAST_*). Under
-        # numerics = fast all of them but the last layer's: SmolLM2, 512 tokens of a text
-        # teacher-forced, perplexity +1.17% with every layer on int8, +0.41% with the last exact
-        # (first exact: +0.65%, first and last: +0.71%, down_proj exact everywhere: +1.52%).
-        self.fast_mask = np.full(n, FAST_ALL if self.fast else 0, np.int64)
-        if self.fast and n > 1:
-            self.fast_mask[-1] = 0
+        self.set_fast(self.fast)
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
         self._kv_addr = np.empty((n, 2), np.int64)
         self._kv_size = np.empty(n, np.int64)
         self._kv_stride = np.empty(n, np.int64)
         self._write_kv = np.zeros(n, np.int64)
+
+    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True) -> None:
+        """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
+        with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
+        SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
+        layer on int8, +0.41% with the last exact (first exact +0.65%, first and last +0.71%,
+        down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md."""
+        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT
+
+        if act_block not in (0, 8, 16, 32):
+            raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
+        n = len(self.layers)
+        self.fast = fast
+        self.fast_mask = np.full(n, (FAST_ALL | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
+        if fast and last_exact and n > 1:
+            self.fast_mask[-1] = 0
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -294,7 +302,8 @@ class FusedDecoder:
 
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
-        chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32)."""
+        chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32; with
+        numerics fast the products of fast_mask on int8 activations, kernels/int8tile.py)."""
         from chatapp.kernels.pool import pool
         from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
 
@@ -312,7 +321,8 @@ class FusedDecoder:
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
-                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32))
+                         np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
+                         self.fast_mask)
         k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         for i, c in enumerate(caches):
@@ -366,9 +376,10 @@ def numerics_line(numerics: str) -> str:
     """How the fused step's 4-bit products are computed, for the plan and --show-config."""
     if numerics != "fast":
         return "numerics exact (float32 activations)"
-    from chatapp.kernels.int8dot import ISA, ISA_NAMES
+    from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
 
-    return f"numerics fast (int8 activations per 32 elements, {ISA_NAMES[ISA]}; the last layer exact)"
+    return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {ISA_NAMES[ISA]}; "
+            "the last layer exact)")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
@@ -390,7 +401,8 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))
     return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
-            f"prefill chunks: one native call each (float32); {numerics_line(numerics)}")
+            f"prefill chunks: one native call each ({'the same int8 products' if numerics == 'fast' else 'float32'}); "
+            f"{numerics_line(numerics)}")
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:
@@ -399,6 +411,11 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         model.__class__ = base
     if "_chatapp_fused" in getattr(model, "__dict__", {}):
         object.__delattr__(model, "_chatapp_fused")
+
+
+def fused_decoder(model) -> "FusedDecoder | None":
+    """The model's FusedDecoder when the fused step is installed (benches adjust its numerics)."""
+    return getattr(model, "_chatapp_fused", None)
 
 
 def steps_synchronously(model) -> bool:

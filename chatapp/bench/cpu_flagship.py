@@ -66,7 +66,8 @@ def add_flagship_arguments(p) -> None:
     g.add_argument("--long-tokens", type=int, default=8, help="tokens decoded per long-context point (default 8)")
     g.add_argument("--peers", default="chatapp,mlx-lm,llama.cpp",
                    help="which peers run (default all available; also chatapp-unfused: cpu.fused_decode = false; "
-                   "chatapp-fast: cpu.numerics = fast)")
+                   "chatapp-fast: cpu.numerics = fast; chatapp-gguf, chatapp-gguf-fast: chatapp on the Q4_0 GGUF "
+                   "llama.cpp reads)")
     g.add_argument("--threads", type=int, default=0, help="threads for chatapp's kernels and llama.cpp (0: all cores)")
     g.add_argument("--load-rounds", type=int, default=3, help="interleaved load-only runs per peer (default 3)")
     g.add_argument("--flagship-layers", type=int, default=0,
@@ -141,11 +142,11 @@ def run_flagship(args) -> int:
     import importlib.util
 
     gguf = None
-    if "llama.cpp" in peers:
-        if importlib.util.find_spec("llama_cpp") is None:
+    if any(p == "llama.cpp" or p.startswith("chatapp-gguf") for p in peers):
+        if "llama.cpp" in peers and importlib.util.find_spec("llama_cpp") is None:
             log("# llama.cpp: llama_cpp is not importable (pip install llama-cpp-python); skipped")
             peers.remove("llama.cpp")
-        else:
+        if any(p == "llama.cpp" or p.startswith("chatapp-gguf") for p in peers):
             from chatapp.bench.gguf import write_gguf_q4_0
 
             gguf = folder / "model-q4_0.gguf"
@@ -201,24 +202,27 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
     rep = BenchReport(
         "cpu: Llama-2-7B geometry (random 4-bit weights, early mlx-community layout)",
         ["peer", "load s", "peak RSS / files", "prefill tok/s", "prefill x", "decode tok/s", "decode x",
-         "greedy = mlx-lm", "greedy = chatapp-unfused"],
+         "greedy = mlx-lm", "greedy = chatapp-unfused", "greedy = chatapp"],
     )
     unfused = best.get("chatapp-unfused")
+    exact = best.get("chatapp")
     for peer, r in best.items():
         same = "-" if ref is None or peer == "mlx-lm" else (
             "yes" if r["greedy"][: args.greedy] == ref["greedy"][: args.greedy]
             else _first_diff(r["greedy"], ref["greedy"]))
         same_unfused = "-" if unfused is None or peer == "chatapp-unfused" else (
             "yes" if r["greedy"] == unfused["greedy"] else _first_diff(r["greedy"], unfused["greedy"]))
+        same_exact = "-" if exact is None or peer == "chatapp" else (
+            "yes" if r["greedy"] == exact["greedy"] else _first_diff(r["greedy"], exact["greedy"]))
         rep.add(peer, r["load_s"], r["peak_rss"] / file_bytes, r["prefill_tok_s"],
                 r["prefill_tok_s"] / ref["prefill_tok_s"] if ref else float("nan"), r["decode_tok_s"],
-                r["decode_tok_s"] / ref["decode_tok_s"] if ref else float("nan"), same, same_unfused)
+                r["decode_tok_s"] / ref["decode_tok_s"] if ref else float("nan"), same, same_unfused, same_exact)
     long = BenchReport("cpu: decode after N cached tokens (synthetic K/V), Llama-2-7B geometry",
                        ["peer / mode", "cached", "held", "decode tok/s", "x mlx-lm"])
     ref_long = {p["context"]: p["decode_tok_s"] for p in (ref or {}).get("long", [])}
     for peer, r in best.items():
         for p in r.get("long", []):
-            name = peer if peer != "chatapp" else f"chatapp {p['mode']}"
+            name = peer if peer == "mlx-lm" else f"{peer} {p['mode']}"
             x = (p["decode_tok_s"] / ref_long[p["context"]] if p["context"] in ref_long and peer != "mlx-lm"
                  else float("nan"))
             long.add(name, p["context"], p["held"], p["decode_tok_s"], x)
@@ -234,6 +238,7 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
                      f"chatapp reached {c['decode_tok_s'] / limit:.0%} "
                      f"of it at {args.prompt} tokens")
         lines += _targets(args, c, ref, best, file_bytes)
+    lines += _against_llama_cpp(args, best)
     for line in lines:
         print(f"# {line}")
     rep.meta.update(
@@ -243,6 +248,24 @@ def _report(args, best: dict, results: dict, bandwidth: float, file_bytes: int, 
     )
     emit(rep, args.json, None, None)
     return 0
+
+
+def _against_llama_cpp(args, best: dict) -> list[str]:
+    """Each chatapp peer's rates as ratios of llama.cpp's (best runs of the same bench)."""
+    ll = best.get("llama.cpp")
+    if not ll:
+        return []
+    ll_long = {p["context"]: p["decode_tok_s"] for p in ll.get("long", [])}
+    out = []
+    for peer, r in best.items():
+        if not peer.startswith("chatapp"):
+            continue
+        parts = [f"decode at {args.prompt} {r['decode_tok_s'] / ll['decode_tok_s']:.2f}x",
+                 f"prefill {args.prompt} {r['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x"]
+        parts += [f"decode at {p['context']} cached ({p['mode']}) {p['decode_tok_s'] / ll_long[p['context']]:.2f}x"
+                  for p in r.get("long", []) if p["context"] in ll_long]
+        out.append(f"{peer} / llama.cpp: " + ", ".join(parts))
+    return out
 
 
 def _first_diff(a: list[int], b: list[int]) -> str:

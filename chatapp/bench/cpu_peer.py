@@ -53,7 +53,8 @@ def _fill_layer_by_layer(caches, geom, context: int, seed: int) -> None:
 # --- chatapp ----------------------------------------------------------------------------------
 
 
-def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") -> dict:
+def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact", gguf: bool = False) -> dict:
+    """chatapp on the spec's model folder, or (``gguf``) on the Q4_0 GGUF llama.cpp reads."""
     import mlx.core as mx
 
     from cache import CacheSettings, make_caches, model_geometry
@@ -63,12 +64,13 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact") 
     from chatapp.model.loader import load_model
 
     t0 = time.perf_counter()
-    lm = load_model(spec["model"], cast_scales=False)
+    lm = load_model(spec["gguf"] if gguf else spec["model"], cast_scales=False)
     plan = apply_fast_path(lm.model, backend="cpu", threads=spec.get("threads", 0), fused_decode=fused_decode,
                            numerics=numerics)
     load_s = time.perf_counter() - t0
     model = lm.model
     name = "chatapp-unfused" if not fused_decode else ("chatapp-fast" if numerics == "fast" else "chatapp")
+    name = name.replace("chatapp", "chatapp-gguf") if gguf else name
     res: dict = {"peer": name, "load_s": load_s, "rss_after_load": peak_rss(), "plan": plan.details(),
                  "warm_up_s": plan.warm_up_seconds}
     if spec.get("load_only"):
@@ -190,7 +192,30 @@ def run_llama_cpp(spec: dict) -> dict:
     res["prefill_tok_s"] = rate(len(spec["prompt"]), prefill_s)
     res["decode_tok_s"] = step_rate(stamps)
     res["peak_rss"] = peak_rss()
+    # decode after N cached tokens: llama.cpp's cache is filled by a real prefill of the prompt
+    # repeated to N tokens (its fill time recorded); its decode reads the same KV bytes whatever
+    # the values, as chatapp's synthetic fill does
     res["long"] = []
+    for ctx in spec["contexts"]:
+        if not spec["modes"]:
+            break
+        big = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=ctx + spec["long_tokens"] + 16,
+                              n_threads=spec.get("threads") or None, n_batch=512, verbose=False) \
+            if ctx + spec["long_tokens"] + 8 > llm.n_ctx() else llm
+        ids = (spec["prompt"] * (ctx // len(spec["prompt"]) + 1))[:ctx]
+        big.reset()
+        t = time.perf_counter()
+        big.eval(ids)
+        fill_s = time.perf_counter() - t
+        stamps = []
+        for _ in range(spec["long_tokens"] + 1):
+            tok = big.sample(top_k=1, temp=0.0)
+            stamps.append(time.perf_counter())
+            big.eval([tok])
+        res["long"].append({"mode": "real prefill", "context": ctx, "held": ctx, "fill_s": fill_s,
+                            "decode_tok_s": step_rate(stamps)})
+        if big is not llm:
+            del big
     return res
 
 
@@ -204,7 +229,18 @@ def run_chatapp_fast(spec: dict) -> dict:
     return run_chatapp(spec, numerics="fast")
 
 
+def run_chatapp_gguf(spec: dict) -> dict:
+    """chatapp (exact) on the Q4_0 GGUF llama.cpp reads (group 32, through chatapp's GGUF loader)."""
+    return run_chatapp(spec, gguf=True)
+
+
+def run_chatapp_gguf_fast(spec: dict) -> dict:
+    """chatapp with ``cpu.numerics = fast`` on the Q4_0 GGUF llama.cpp reads."""
+    return run_chatapp(spec, numerics="fast", gguf=True)
+
+
 PEERS = {"chatapp": run_chatapp, "chatapp-unfused": run_chatapp_unfused, "chatapp-fast": run_chatapp_fast,
+         "chatapp-gguf": run_chatapp_gguf, "chatapp-gguf-fast": run_chatapp_gguf_fast,
          "mlx-lm": run_mlx_lm, "llama.cpp": run_llama_cpp}
 
 

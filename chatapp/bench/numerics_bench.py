@@ -32,6 +32,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens per speed run (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="speed runs per route, alternating (default 3)")
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
+    p.add_argument("--prefill", type=int, default=256,
+                   help="also: the first N text tokens as one prefill chunk (the fused prefill), the rest "
+                   "teacher-forced, for each route (0: skip; default 256)")
+    p.add_argument("--variants", default="",
+                   help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
+                   "elements per int8 scale, '-all' with the last layer on int8 too (default: none)")
+
+
+def _variants(spec: str) -> list[tuple[str, int, bool]]:
+    out = []
+    for v in (s.strip() for s in spec.split(",") if s.strip()):
+        block, _, rest = v.removeprefix("b").partition("-")
+        if not block.isdigit() or int(block) not in (8, 16, 32) or rest not in ("", "all"):
+            raise SystemExit(f"--variants: {v!r} is not b8|b16|b32 with an optional -all")
+        out.append((f"fast {v}", int(block), rest != "all"))
+    return out
 
 
 def load_gguf_llama(path: str):
@@ -53,6 +69,26 @@ def _teacher_forced(model, ids: list[int]):
     caches = make_caches(model, CacheSettings(mode="prealloc"))
     out = []
     for t in ids[:-1]:
+        logits = model(mx.array([[t]]), cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(np.array(logits))
+    return out
+
+
+def _prefilled(model, ids: list[int], n: int):
+    """Per-position logits of ids[n:] after a prefill chunk of ids[:n] (the session's route)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from cache import CacheSettings, make_caches
+    from chatapp.backend.qlinear import last_position_only
+
+    caches = make_caches(model, CacheSettings(mode="prealloc"))
+    with last_position_only():
+        first = model(mx.array([ids[:n]]), cache=caches)[0, -1]
+    mx.eval(first)
+    out = [np.array(first)]
+    for t in ids[n:-1]:
         logits = model(mx.array([[t]]), cache=caches)[0, -1]
         mx.eval(logits)
         out.append(np.array(logits))
@@ -89,6 +125,7 @@ def run(args) -> int:
     from chatapp.backend.cpu import apply_fast_path
     from chatapp.bench.common import loadavg
 
+    variants = _variants(args.variants)
     load_start = loadavg()
     models = {}
     for numerics in ("exact", "fast"):
@@ -98,9 +135,19 @@ def run(args) -> int:
         models[numerics] = model
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
-    ex, fa = logits["exact"], logits["fast"]
-    rel = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(fa, ex))
-    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(fa, ex)) / len(ex)
+    from chatapp.backend.fused_decode import fused_decoder
+
+    dec = fused_decoder(models["fast"])
+    for name, block, last_exact in variants:
+        dec.set_fast(True, block, last_exact)
+        logits[name] = _teacher_forced(models["fast"], ids)
+    dec.set_fast(True)
+    ex = logits["exact"]
+    rel = {n: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(lg, ex)) for n, lg in logits.items()}
+    agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
+    pre = {}
+    if 0 < args.prefill < len(ids) - 1:
+        pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
     rates: dict[str, list[float]] = {"exact": [], "fast": []}
     for r in range(max(1, args.repeats)):
         for n in ("exact", "fast") if r % 2 == 0 else ("fast", "exact"):
@@ -109,10 +156,18 @@ def run(args) -> int:
                       ["numerics", "perplexity", "ppl / exact", "max |dlogit| / max |logit|", "argmax = exact",
                        "decode tok/s (runs)", "decode x exact (per run)"])
     ppl = {n: _ppl(lg, ids) for n, lg in logits.items()}
-    for n in ("exact", "fast"):
-        rep.add(n, ppl[n], ppl[n] / ppl["exact"], 0.0 if n == "exact" else rel, 1.0 if n == "exact" else agree,
-                ", ".join(f"{v:.1f}" for v in rates[n]),
-                ", ".join(f"{a / b:.2f}" for a, b in zip(rates[n], rates["exact"])))
+    for n in logits:
+        rep.add(n, ppl[n], ppl[n] / ppl["exact"], rel[n], agree[n],
+                ", ".join(f"{v:.1f}" for v in rates.get(n, [])),
+                ", ".join(f"{a / b:.2f}" for a, b in zip(rates.get(n, []), rates["exact"])))
+    if pre:
+        tail = ids[args.prefill - 1:]
+        p_ex, p_fa = _ppl(pre["exact"], tail), _ppl(pre["fast"], tail)
+        d = max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(pre["fast"], pre["exact"]))
+        rep.add(f"exact, prefill {args.prefill}", p_ex, 1.0, 0.0, 1.0, "", "")
+        agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
+        rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
+        ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")
     rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)

@@ -37,7 +37,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
-from .int8dot import q4_rows4_dot_i8, quantise_blocks
+from .int8dot import ACT_BLOCK, q4_rows4_i8, quantise_lanes
 from .llvm import as_f32, atomic_add
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
@@ -46,6 +46,8 @@ PHASES = 5
 # the bits of token_step's ``fast``: which products of a layer run on int8 activations
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
 FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
+# fast >> FAST_BLOCK_SHIFT: the activation elements per int8 scale (8, 16 or 32; 0: ACT_BLOCK)
+FAST_BLOCK_SHIFT = 8
 # rows per claimed chunk: each claim and each done count moves a cache line between the cores
 # (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
 ROW_CHUNK = 48
@@ -87,9 +89,9 @@ def phase_barrier(ctl, phase, n):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq):  # pragma: no cover - jitted
+def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block):  # pragma: no cover - jitted
     """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums;
-    when ``fast``, also its int8 blocks xq = (even, odd, lane scales)."""
+    when ``fast``, also its int8 blocks of ``block`` xq = (even, odd, lane scales, lane sums)."""
     K = src.shape[0]
     if norm_w.shape[0]:
         ss = np.float32(0.0)
@@ -111,7 +113,7 @@ def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq):  # pragm
             acc += xn[j]
         xsum[g] = acc
     if fast:
-        quantise_blocks(xn, xq[0][:half], xq[1][:half], xq[2][:K // 8])
+        quantise_lanes(xn, block, xq[0][:half], xq[1][:half], xq[2][:K // 8], xq[3][:K // 8])
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -131,20 +133,22 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
 def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
     4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``), the rest
-    one by one. xq = (even int8, odd int8, lane scales) of the input (used when fast)."""
+    one by one. xq = (even int8, odd int8, lane scales, lane sums) of the input (used when fast;
+    those rows include their biases)."""
     packed, scales, biases = w
     r = r_start
     tmp = np.empty(ROWS, np.float32)
     if bits == 4:
         while r + ROWS <= r_end:
             if fast:
-                q4_rows4_dot_i8(packed, r, xq[0], xq[1], xq[2], scales, group_size, tmp)
+                q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
             else:
                 q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
             for i in range(ROWS):
                 d = tmp[i]
-                for g in range(biases.shape[1]):
-                    d += as_f32(biases[r + i, g]) * xsum[g]
+                if not fast:
+                    for g in range(biases.shape[1]):
+                        d += as_f32(biases[r + i, g]) * xsum[g]
                 if add:
                     dst[r - r_start + i] += d
                 else:
@@ -207,12 +211,17 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     no_norm = np.empty(0, np.float32)
     gbuf = np.empty(ROW_CHUNK, np.float32)
     ubuf = np.empty(ROW_CHUNK, np.float32)
-    xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32))
+    xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32),
+          np.empty(kmax // 8, np.float32))
     # fast: a bit per product group on int8 activations (FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN)
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
+    blk = fast >> FAST_BLOCK_SHIFT
+    if blk == 0:
+        blk = ACT_BLOCK
 
     # 1. q, k, v rows (one phase over their rows together)
-    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_qkv, xq)
+    _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
+             f_qkv, xq, blk)
     n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = phase_claim(ctl, 0, n1)
@@ -269,7 +278,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
-    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq)
+    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk)
     n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = phase_claim(ctl, 2, n3)
@@ -281,7 +290,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     phase_barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
-    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size], f_gu, xq)
+    _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
+             f_gu, xq, blk)
     n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = phase_claim(ctl, 3, n4)
@@ -297,7 +307,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
-             xsum[:hidden // group_size], f_down, xq)
+             xsum[:hidden // group_size], f_down, xq, blk)
     n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
     while True:
         c = phase_claim(ctl, 4, n5)

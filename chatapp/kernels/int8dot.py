@@ -1,23 +1,26 @@
 """Integer dot products for ``cpu.numerics = fast``: 4-bit weights against int8 activations.
 
-The exact rows (rows4.py) convert every nibble to float and spend two FMAs per 16 weights; the
-fused decode step is bound by those instructions (~8 ms a token for SmolLM2's 106M weights), not
-by memory. Here the activation is quantised once per projection input to int8 per 32-element
-block (scale max|x| / 127, round to nearest), and each 32 packed bytes (64 weights) of a row
-cost one AND, one shift and two ``vpdpbusd`` (unsigned nibble x signed int8, four products summed
-into each int32 lane), then one int->float conversion and one FMA with the block scales.
+The exact rows (rows4.py) convert every nibble to float and spend an FMA per 16 weights each,
+plus the conversions: on two cores they reach ~25-30 G weights/s, below what memory delivers on
+a 7B layer. Here each projection input is quantised once (``quantise_lanes``) to int8 per block
+of ``ACT_BLOCK`` elements (scale max|x| / 127, round to nearest), and each 64 packed bytes (128
+weights) of a row cost an AND, a shift, two ``vpdpbusd`` (unsigned nibble x signed int8, four
+products summed into each int32 lane: one 512-bit instruction each with AVX-512 VNNI), one
+int->float conversion and two FMAs (the activation x weight scales, and the bias).
 
-Layout: byte j of a 64-weight chunk holds weights 2j (low nibble) and 2j+1 (high nibble), so the
-activation is split into even (``xqe``) and odd (``xqo``) int8 vectors in the same byte order;
-int32 lane i of a chunk then sums bytes 4i..4i+3, i.e. weights 8i..8i+7 of the chunk: lanes 0-3
-belong to the chunk's first 32-element block, lanes 4-7 to its second. ``lane_scales`` holds the
-activation scale of each lane's block (8 floats per chunk, written by ``quantise_blocks``), and
-the weight scale of each lane's group is spliced in per chunk (group size 32: two groups a chunk).
+Layout: byte j of a row holds weights 2j (low nibble) and 2j+1 (high nibble), so the activation
+is split into even (``xqe``) and odd (``xqo``) int8 vectors in the same byte order; int32 lane i
+of a 64-byte step then sums bytes 4i..4i+3, i.e. weights 8i..8i+7 of the step. Everything the
+kernel needs per lane is precomputed per lane of 8 weights (K/8 floats each): the activation
+scale of the lane's block (so blocks of 8, 16 or 32 cost the kernel the same) and the float sum
+of the lane's activations, which times the row's bias gives the bias's share exactly as the
+float route does. The row's scales and biases of a step are one vector load each (4, 2 or 1 of
+them: the group size is fixed per compiled kernel), broadcast to the lanes by a shuffle.
 
-The instruction is picked from the CPU this process runs on (``int8_isa``): AVX-512 VNNI or
-AVX-VNNI ``vpdpbusd``; AVX2 ``vpmaddubsw`` + ``vpmaddwd`` (same sums: a nibble times an int8 pair
-stays far from int16 saturation, 2 x 15 x 127); otherwise plain vector IR that any target lowers.
-Biases stay exact: the caller adds bias_g x (float sum of the group's activations).
+The instruction is picked from the CPU this process runs on (``detect_isa``, never assumed):
+AVX-512 VNNI (512-bit ``vpdpbusd``), AVX-VNNI or AVX-512 VNNI with VL (256-bit, two per step),
+AVX2 ``vpmaddubsw`` + ``vpmaddwd`` (the same sums: a nibble times an int8 pair stays far from
+int16 saturation, 2 x 15 x 127), otherwise plain vector IR that any target lowers.
 """
 
 from __future__ import annotations
@@ -28,16 +31,18 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .llvm import F32, I8
-from .simd import I64, declare, hsum, scale_loader, vload
+from .simd import I64, V16F, declare, hsum, is_c_array, vload
 
-ROWS = 4
-BLOCK = 32  # activation elements per int8 scale
-ISAS = ("vnni", "avx2", "generic")
+ROWS = 4  # rows per kernel call: they share each activation load
+# activation elements per int8 scale (8, 16 or 32: the kernel reads per-lane scales either way);
+# see ``FusedDecoder`` and BENCHMARKS.md for what each costs in perplexity
+ACT_BLOCK = 8
+ISAS = ("vnni512", "vnni", "avx2", "generic")
 _I32 = ir.IntType(32)
 _I16 = ir.IntType(16)
-_V32B = ir.VectorType(I8, 32)
+V32B = ir.VectorType(I8, 32)
 _V8I = ir.VectorType(_I32, 8)
-_V8F = ir.VectorType(F32, 8)
+V8F = ir.VectorType(F32, 8)
 
 
 def cpu_features() -> dict:
@@ -51,8 +56,10 @@ def cpu_features() -> dict:
 
 
 def detect_isa(features: dict | None = None) -> str:
-    """The best integer dot instruction this CPU has: 'vnni', 'avx2' or 'generic'."""
+    """The best integer dot instruction this CPU has: one of ISAS."""
     f = cpu_features() if features is None else features
+    if f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f"):
+        return "vnni512"
     if f.get("avx512vnni") and f.get("avx512vl") or f.get("avxvnni"):
         return "vnni"
     if f.get("avx2"):
@@ -60,18 +67,19 @@ def detect_isa(features: dict | None = None) -> str:
     return "generic"
 
 
-ISA_NAMES = {"vnni": "VNNI vpdpbusd", "avx2": "AVX2 vpmaddubsw+vpmaddwd", "generic": "portable vector code"}
+ISA_NAMES = {"vnni512": "AVX-512 VNNI vpdpbusd (512-bit)", "vnni": "VNNI vpdpbusd (256-bit)",
+             "avx2": "AVX2 vpmaddubsw+vpmaddwd", "generic": "portable vector code"}
 
 
 def _dot_i32(builder: ir.IRBuilder, isa: str, acc, u8, s8):
     """acc (<8 x i32>) + for each lane i: sum_{k<4} u8[4i+k] * s8[4i+k] (u8 unsigned, s8 signed)."""
     mod = builder.module
-    if isa == "vnni":
+    if isa in ("vnni", "vnni512"):
         f = declare(mod, "llvm.x86.avx512.vpdpbusd.256", ir.FunctionType(_V8I, [_V8I, _V8I, _V8I]))
         return builder.call(f, [acc, builder.bitcast(u8, _V8I), builder.bitcast(s8, _V8I)])
     if isa == "avx2":
         v16s = ir.VectorType(_I16, 16)
-        maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(v16s, [_V32B, _V32B]))
+        maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(v16s, [V32B, V32B]))
         maddwd = declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(_V8I, [v16s, v16s]))
         pairs = builder.call(maddubs, [u8, s8])
         return builder.add(acc, builder.call(maddwd, [pairs, ir.Constant(v16s, [1] * 16)]))
@@ -83,108 +91,202 @@ def _dot_i32(builder: ir.IRBuilder, isa: str, acc, u8, s8):
     return acc
 
 
-def _is(a, dtypes, ndim) -> bool:
-    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype in dtypes
+WIDE = 64  # packed bytes per step: one 512-bit register, 128 weights
+V64B = ir.VectorType(I8, 64)
+V16I = ir.VectorType(_I32, 16)
 
 
-def make_rows4_i8(isa: str):
-    """The four-row int8 kernel for ``isa`` (one of ISAS); tests build the ones this CPU can run."""
+def dot_i32_wide(builder: ir.IRBuilder, isa: str, acc, u8, s8):
+    """_dot_i32 on <64 x i8> -> <16 x i32>: one 512-bit vpdpbusd with AVX-512 VNNI, else two halves."""
+    if isa == "vnni512":
+        f = declare(builder.module, "llvm.x86.avx512.vpdpbusd.512", ir.FunctionType(V16I, [V16I] * 3))
+        return builder.call(f, [acc, builder.bitcast(u8, V16I), builder.bitcast(s8, V16I)])
+    lo_idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))
+    hi_idx = ir.Constant(ir.VectorType(_I32, 32), list(range(32, 64)))
+    a8 = ir.Constant(ir.VectorType(_I32, 8), list(range(8)))
+    b8 = ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16)))
+    parts = []
+    for idx, aidx in ((lo_idx, a8), (hi_idx, b8)):
+        parts.append(_dot_i32(builder, isa, builder.shuffle_vector(acc, acc, aidx),
+                              builder.shuffle_vector(u8, u8, idx), builder.shuffle_vector(s8, s8, idx)))
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(V16I, list(range(16))))
+
+
+def lane_params(builder, ptr, index, group_size: int, n_lanes: int, half: bool):
+    """The per-lane <16 x float> vector of a row's scales (or biases) for the 8 * n_lanes weights
+    starting at element ``index`` * group_size: lane l gets entry (8 l) // group_size."""
+    n = max(1, 8 * n_lanes // group_size)
+    elt = ir.HalfType() if half else F32
+    p = builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(elt, n).as_pointer())
+    v = builder.load(p, align=2 if half else 4)
+    if half:
+        v = builder.fpext(v, ir.VectorType(F32, n))
+    mask = [(8 * lane) // group_size if lane < n_lanes else 0 for lane in range(16)]
+    return builder.shuffle_vector(v, v, ir.Constant(V16I, mask))
+
+
+def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0):
+    """``rows`` rows of a 4-bit weight against int8 activations, biases included:
+
+        out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
+
+    over lanes l of 8 weights (ls: the activation scale of the lane's block, xs: the float sum of
+    the lane's 8 activations; quantise_lanes writes both). 64 packed bytes (128 weights) per step:
+    an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
+    per row; the row scales/biases of the step are one vector load each. A row of K % 128 = 64
+    ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group size {group_size}")
 
     @intrinsic
-    def q4_rows4_dot_i8(typingctx, w, r0, xqe, xqo, lane_scales, scales, group_size, out):
-        """out[i] ~ sum_g scales[r0+i, g] * (q_g . x_g) for i < 4 with x int8-quantised.
-
-        w: uint8 [N, K/2]; xqe/xqo: int8 [K/2]; lane_scales: float32 [K/8] (quantise_blocks);
-        scales: float32 or uint16 [N, K/gs]; out: float32 [>= 4]; K a multiple of 64."""
-        if not (_is(w, (types.uint8,), 2) and _is(xqe, (types.int8,), 1) and _is(xqo, (types.int8,), 1)
-                and _is(lane_scales, (types.float32,), 1) and _is(scales, (types.float32, types.uint16), 2)
-                and _is(out, (types.float32,), 1)):
+    def q4_rows_dot_i8(typingctx, w, r0, xqe, xqo, lane_scales, lane_sums, scales, biases, out):
+        if not (is_c_array(w, (types.uint8,), 2) and is_c_array(xqe, (types.int8,), 1)
+                and is_c_array(xqo, (types.int8,), 1)
+                and is_c_array(lane_scales, (types.float32,), 1) and is_c_array(lane_sums, (types.float32,), 1)
+                and is_c_array(scales, (types.float32, types.uint16), 2) and scales == biases
+                and is_c_array(out, (types.float32,), 1)):
             return None
         half_scales = scales.dtype == types.uint16
 
         def codegen(context, builder, signature, args):
-            wa, ea, oa, la, sa, outa = (context.make_array(signature.args[i])(context, builder, args[i])
-                                        for i in (0, 2, 3, 4, 5, 7))
-            r0v, gs = args[1], args[6]
+            wa, ea, oa, la, xa, sa, ba, outa = (context.make_array(signature.args[i])(context, builder, args[i])
+                                                for i in (0, 2, 3, 4, 5, 6, 7, 8))
+            r0v = args[1]
             row_bytes = builder.extract_value(wa.shape, 1)
             n_groups = builder.extract_value(sa.shape, 1)
-            nblk = builder.udiv(row_bytes, ir.Constant(I64, 32))
-            is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
-            is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
-            fifteen, four = ir.Constant(_V32B, [15] * 32), ir.Constant(_V32B, [4] * 32)
-            fma = declare(builder.module, "llvm.fma.v8f32", ir.FunctionType(_V8F, [_V8F] * 3))
-            wrows, scalers = [], []
-            for i in range(ROWS):
+            nstep = builder.udiv(row_bytes, ir.Constant(I64, WIDE))
+            tail = builder.icmp_unsigned("!=", builder.urem(row_bytes, ir.Constant(I64, WIDE)),
+                                         ir.Constant(I64, 0))
+            fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
+            fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
+            pf = declare(builder.module, "llvm.prefetch.p0i8",
+                          ir.FunctionType(ir.VoidType(), [I8.as_pointer(), _I32, _I32, _I32]))
+            sdata = builder.bitcast(sa.data, (ir.HalfType() if half_scales else F32).as_pointer())
+            bdata = builder.bitcast(ba.data, (ir.HalfType() if half_scales else F32).as_pointer())
+            wrows, srows, brows = [], [], []
+            for i in range(rows):
                 r = builder.add(r0v, ir.Constant(I64, i))
                 wrows.append(builder.gep(wa.data, [builder.mul(r, row_bytes)]))
-                scalers.append(scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
+                srows.append(builder.gep(sdata, [builder.mul(r, n_groups)]))
+                brows.append(builder.gep(bdata, [builder.mul(r, n_groups)]))
+            zero = ir.Constant(V16F, [0.0] * 16)
+            izero = ir.Constant(V16I, [0] * 16)
+
+            def step(base, accs, n_lanes):
+                """accs after the 8 * n_lanes weights at packed byte ``base`` (n_lanes 16 or 8)."""
+                nb = n_lanes * 4
+                if nb == WIDE:
+                    load = lambda p, o: vload(builder, p, o, V64B)  # noqa: E731
+                else:  # a half step: 32 bytes, the upper half zero
+                    pad = ir.Constant(ir.VectorType(_I32, 64), list(range(32)) + [32] * 32)
+                    v32z = ir.Constant(V32B, [0] * 32)
+                    load = lambda p, o: builder.shuffle_vector(vload(builder, p, o, V32B), v32z, pad)  # noqa: E731
+                lane0 = builder.udiv(base, ir.Constant(I64, 4))
+                if n_lanes == 16:
+                    ls = vload(builder, la.data, lane0, V16F)
+                    xs = vload(builder, xa.data, lane0, V16F)
+                else:
+                    idx = ir.Constant(V16I, list(range(8)) + [8] * 8)
+                    z8 = ir.Constant(V8F, [0.0] * 8)
+                    ls = builder.shuffle_vector(vload(builder, la.data, lane0, V8F), z8, idx)
+                    xs = builder.shuffle_vector(vload(builder, xa.data, lane0, V8F), z8, idx)
+                xe, xo = load(ea.data, base), load(oa.data, base)
+                gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
+                out_accs = []
+                for i in range(rows):
+                    if prefetch and nb == WIDE:
+                        ahead = builder.gep(wrows[i], [builder.add(base, ir.Constant(I64, prefetch * WIDE))])
+                        builder.call(pf, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                    b = load(wrows[i], base)
+                    d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
+                                      builder.lshr(b, four), xo)
+                    ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
+                    wb = lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales)
+                    acc = builder.call(fma, [builder.sitofp(d, V16F), builder.fmul(ls, ws), accs[i]])
+                    out_accs.append(builder.call(fma, [wb, xs, acc]))
+                return out_accs
+
             entry = builder.block
-            loop = builder.append_basic_block("rows4i8.loop")
-            done = builder.append_basic_block("rows4i8.done")
-            zero = ir.Constant(_V8F, [0.0] * 8)
-            izero = ir.Constant(_V8I, [0] * 8)
-            builder.cbranch(builder.icmp_unsigned(">", nblk, ir.Constant(I64, 0)), loop, done)
+            loop = builder.append_basic_block("rowsi8.loop")
+            after = builder.append_basic_block("rowsi8.after")
+            builder.cbranch(builder.icmp_unsigned(">", nstep, ir.Constant(I64, 0)), loop, after)
             builder.position_at_end(loop)
-            blk = builder.phi(I64)
-            accs = [builder.phi(_V8F) for _ in range(ROWS)]
-            blk.add_incoming(ir.Constant(I64, 0), entry)
+            k = builder.phi(I64)
+            accs = [builder.phi(V16F) for _ in range(rows)]
+            k.add_incoming(ir.Constant(I64, 0), entry)
             for a in accs:
                 a.add_incoming(zero, entry)
-            base = builder.mul(blk, ir.Constant(I64, 32))
-            xe = vload(builder, ea.data, base, _V32B)
-            xo = vload(builder, oa.data, base, _V32B)
-            ls = vload(builder, la.data, builder.mul(blk, ir.Constant(I64, 8)), _V8F)
-            two_blk = builder.mul(blk, ir.Constant(I64, 2))
-            first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
-            second = builder.select(is32, builder.add(two_blk, ir.Constant(I64, 1)), first)
-            new_accs = []
-            for i in range(ROWS):
-                b = vload(builder, wrows[i], base, _V32B)
-                lo = builder.and_(b, fifteen)
-                hi = builder.lshr(b, four)
-                d = _dot_i32(builder, isa, _dot_i32(builder, isa, izero, lo, xe), hi, xo)
-                s0 = builder.insert_element(ir.Constant(_V8F, ir.Undefined), scalers[i](first), ir.Constant(_I32, 0))
-                s1 = builder.insert_element(s0, scalers[i](second), ir.Constant(_I32, 1))
-                ws = builder.shuffle_vector(s1, s1, ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1]))
-                new_accs.append(builder.call(fma, [builder.sitofp(d, _V8F), builder.fmul(ls, ws), accs[i]]))
-            nxt = builder.add(blk, ir.Constant(I64, 1))
-            blk.add_incoming(nxt, builder.block)
+            new_accs = step(builder.mul(k, ir.Constant(I64, WIDE)), accs, 16)
+            nxt = builder.add(k, ir.Constant(I64, 1))
+            k.add_incoming(nxt, builder.block)
             for a, n in zip(accs, new_accs):
                 a.add_incoming(n, builder.block)
-            builder.cbranch(builder.icmp_unsigned("<", nxt, nblk), loop, done)
+            builder.cbranch(builder.icmp_unsigned("<", nxt, nstep), loop, after)
+            builder.position_at_end(after)
+            mids = [builder.phi(V16F) for _ in range(rows)]
+            for m, n in zip(mids, new_accs):
+                m.add_incoming(zero, entry)
+                m.add_incoming(n, loop)
+            half_blk = builder.append_basic_block("rowsi8.half")
+            done = builder.append_basic_block("rowsi8.done")
+            builder.cbranch(tail, half_blk, done)
+            builder.position_at_end(half_blk)
+            tail_accs = step(builder.mul(nstep, ir.Constant(I64, WIDE)), mids, 8)
+            tail_end = builder.block
+            builder.branch(done)
             builder.position_at_end(done)
-            finals = [builder.phi(_V8F) for _ in range(ROWS)]
-            for i, final in enumerate(finals):
-                final.add_incoming(zero, entry)
-                final.add_incoming(new_accs[i], loop)
-            for i, final in enumerate(finals):
-                builder.store(hsum(builder, final), builder.gep(outa.data, [ir.Constant(I64, i)]))
+            finals = [builder.phi(V16F) for _ in range(rows)]
+            for f, m, t in zip(finals, mids, tail_accs):
+                f.add_incoming(m, after)
+                f.add_incoming(t, tail_end)
+            for i, f in enumerate(finals):
+                builder.store(hsum(builder, f), builder.gep(outa.data, [ir.Constant(I64, i)]))
             return context.get_dummy_value()
 
-        return types.none(w, r0, xqe, xqo, lane_scales, scales, group_size, out), codegen
+        sig = types.none(w, r0, xqe, xqo, lane_scales, lane_sums, scales, biases, out)
+        return sig, codegen
 
-    return q4_rows4_dot_i8
-
-
-ISA = detect_isa()
-q4_rows4_dot_i8 = make_rows4_i8(ISA)
+    return q4_rows_dot_i8
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def quantise_blocks(xn, xqe, xqo, lane_scales):  # pragma: no cover - jitted
-    """xn [K] (K a multiple of 64) -> int8 even/odd halves [K/2] and the lane scales [K/8]:
-    per 32-element block, scale max|x| / 127 and x / scale rounded to nearest."""
+def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
+    """xn [K] (K a multiple of 64) -> int8 even/odd halves [K/2], and per lane of 8 elements
+    the activation scale of its block [K/8] and the float sum of its 8 elements [K/8]. block
+    (8, 16 or 32 elements per scale, max|x| / 127, rounded to nearest)."""
     K = xn.shape[0]
-    for b in range(K // BLOCK):
+    for b in range(K // block):
         m = np.float32(0.0)
-        for j in range(b * BLOCK, (b + 1) * BLOCK):
+        for j in range(b * block, (b + 1) * block):
             m = max(m, abs(xn[j]))
         s = m / np.float32(127.0)
         inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
-        for j in range(b * BLOCK, (b + 1) * BLOCK, 2):
+        for j in range(b * block, (b + 1) * block, 2):
             xqe[j // 2] = np.int8(np.int32(np.rint(xn[j] * inv)))
             xqo[j // 2] = np.int8(np.int32(np.rint(xn[j + 1] * inv)))
-        for k in range(4):  # a 64-element chunk's lanes 0-3 hold its first block, 4-7 its second
-            lane_scales[(b // 2) * 8 + (b % 2) * 4 + k] = s
+        for lane in range(b * block // 8, (b + 1) * block // 8):
+            lane_scales[lane] = s
+    for lane in range(K // 8):
+        acc = np.float32(0.0)
+        for j in range(8 * lane, 8 * lane + 8):
+            acc += xn[j]
+        lane_sums[lane] = acc
+
+
+ISA = detect_isa()
+_ROWS_I8 = {gs: make_rows_i8(ISA, gs) for gs in (32, 64, 128)}
+_k32, _k64, _k128 = _ROWS_I8[32], _ROWS_I8[64], _ROWS_I8[128]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def q4_rows4_i8(packed, r0, xq, scales, biases, group_size, out):  # pragma: no cover - jitted
+    """out[i] = row r0 + i (i < 4) of the 4-bit weight times the quantised input, biases included.
+    xq = (even int8 [K/2], odd int8 [K/2], lane scales [K/8], lane sums [K/8]) (quantise_lanes)."""
+    if group_size == 32:
+        _k32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+    elif group_size == 64:
+        _k64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+    else:
+        _k128(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)

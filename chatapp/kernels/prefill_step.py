@@ -28,7 +28,9 @@ import numpy as np
 from numba import carray, njit
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
-from .decode_step import LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
+from .decode_step import FAST_BLOCK_SHIFT, LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
+from .int8dot import ACT_BLOCK
+from .int8tile import ROWS, TOKENS, q4_tile_i8, quantise_tokens
 from .llvm import as_f32
 
 ROW_TILE = 16  # rows dequantised per claim: 16 x 1536 float32 = 96 KiB, inside L2
@@ -120,6 +122,42 @@ def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
+def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq):  # pragma: no cover - jitted
+    """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n: on float32 (the tile
+    dequantised, then _tile_times), or when ``fast`` and 4-bit on int8 activations (xq of
+    quantise_tokens, token rows padded to a multiple of TOKENS), 4 rows x 4 tokens a call;
+    rows past a multiple of 4 stay float32."""
+    n4 = n // ROWS * ROWS if fast and bits == 4 else 0
+    if n4:
+        packed, scales, biases = w
+        T = xp.shape[0]
+        out = np.empty(ROWS * TOKENS, np.float32)
+        for i in range(0, n4, ROWS):
+            for t in range(0, T, TOKENS):
+                q4_tile_i8(packed, r0 + i, xq, t, scales, biases, group_size, out)
+                for j in range(min(TOKENS, T - t)):
+                    for a in range(ROWS):
+                        _put(dst, t + j, col0 + i + a, out[a * TOKENS + j], add)
+    if n4 < n:
+        _dequant_tile(w, bits, group_size, r0 + n4, n - n4, tile)
+        _tile_times(tile, n - n4, xp, dst, col0 + n4, add)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _quantised(xp, fast, block):  # pragma: no cover - jitted
+    """The int8 lanes of xp [T, K] (quantise_tokens), token rows padded with zeros to a multiple
+    of TOKENS; tiny arrays when not ``fast`` (nothing reads them)."""
+    T, K = xp.shape
+    Tp = (T + TOKENS - 1) // TOKENS * TOKENS if fast else 1
+    Kq = K if fast else 64
+    xq = (np.zeros((Tp, Kq // 2), np.int8), np.zeros((Tp, Kq // 2), np.int8), np.zeros((Tp, Kq // 8), np.float32),
+          np.zeros((Tp, Kq // 8), np.float32))
+    if fast:
+        quantise_tokens(xp, block, xq[0][:T], xq[1][:T], xq[2][:T], xq[3][:T])
+    return xq
+
+
+@njit(fastmath=True, nogil=True, cache=True)
 def _permuted(src, norm_w, eps, xp):  # pragma: no cover - jitted
     """xp[t] = (rms_norm(src[t]) * norm_w, or src[t] when norm_w is empty), de-interleaved."""
     T, K = src.shape
@@ -141,7 +179,7 @@ def _permuted(src, norm_w, eps, xp):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # pragma: no cover - jitted
+def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq):  # pragma: no cover - jitted
     """dst (= or +=) xp @ w^T, tiles of ROW_TILE rows claimed one at a time; ends at the barrier."""
     N = w[0].shape[0]
     n_chunks = (N + ROW_TILE - 1) // ROW_TILE
@@ -151,8 +189,7 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # prag
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, N - r0)
-        _dequant_tile(w, bits, group_size, r0, n, tile)
-        _tile_times(tile, n, xp, dst, r0, add)
+        _tile_product(w, bits, group_size, r0, n, xp, dst, r0, add, tile, fast, xq)
         phase_done(ctl, phase)
     phase_barrier(ctl, phase, n_chunks)
 
@@ -160,15 +197,20 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile):  # prag
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, k_new, v_new, attn, act):  # pragma: no cover - jitted
+                  scale, q, k_raw, k_new, v_new, attn, act, fast=0):  # pragma: no cover - jitted
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
     the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
     buffers, n_cached rows held. Outputs: k_new (roped) and v_new [T, kv_heads * D] for the
     caller to append; q [T, heads * D], k_raw [T, kv_heads * D] (keys before RoPE), attn
-    [T, heads * D], act [T, hidden] are shared scratch."""
+    [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (and the
+    activation block above them): those products' 4-bit rows run on int8 activations (int8tile)."""
     T, dim = x.shape
+    f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
+    act_blk = fast >> FAST_BLOCK_SHIFT
+    if act_blk == 0:
+        act_blk = ACT_BLOCK
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
     G = n_heads // n_kv_heads
@@ -181,6 +223,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 0. q, k, v: one phase over the row tiles of the three weights
     _permuted(x, attn_norm, eps, xp_d)
+    xq = _quantised(xp_d, f_qkv, act_blk)
     nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
     cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
     n0 = cq + ck + (nv + ROW_TILE - 1) // ROW_TILE
@@ -195,8 +238,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         else:
             w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
         n = min(ROW_TILE, w[0].shape[0] - r0)
-        _dequant_tile(w, wb, group_size, r0, n, tile_d)
-        _tile_times(tile_d, n, xp_d, dst, r0, False)
+        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, False, tile_d, f_qkv, xq)
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
@@ -250,10 +292,11 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)
-    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a)
+    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a, f_o, _quantised(xp_a, f_o, act_blk))
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
     _permuted(x, mlp_norm, eps, xp_d)
+    xq = _quantised(xp_d, f_gu, act_blk)
     gu = np.empty((T, ROW_TILE), np.float32)
     uu = np.empty((T, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
@@ -263,10 +306,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, hidden - r0)
-        _dequant_tile(wg, bits[4], group_size, r0, n, tile_d)
-        _tile_times(tile_d, n, xp_d, gu, 0, False)
-        _dequant_tile(wu, bits[5], group_size, r0, n, tile_d)
-        _tile_times(tile_d, n, xp_d, uu, 0, False)
+        _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, 0, False, tile_d, f_gu, xq)
+        _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq)
         for t in range(T):
             for i in range(n):
                 act[t, r0 + i] = silu_mul(gu[t, i], uu[t, i])
@@ -275,7 +316,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 5. x += down(act)
     _permuted(act, no_norm, eps, xp_h)
-    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h)
+    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down, _quantised(xp_h, f_down, act_blk))
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
@@ -285,17 +326,19 @@ LAYER_CTL = 2 * LINE * 5
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_raw, k_out, v_out, attn, act):  # pragma: no cover - jitted
+                 scale, q, k_raw, k_out, v_out, attn, act, fast):  # pragma: no cover - jitted
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
-    takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V."""
+    takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V; fast [L]
+    as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8tile.py)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
-                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act)
+                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act,
+                      fast[layer])
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

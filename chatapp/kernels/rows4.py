@@ -14,13 +14,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import I64, V16B, V16F, declare_fma, hsum, scale_loader, splat, vload
+from .simd import I64, V16B, V16F, declare_fma, hsum, is_c_array, scale_loader, splat, vload
 
 ROWS = 4
-
-
-def _is(a, dtypes, ndim) -> bool:
-    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype in dtypes
 
 
 @intrinsic
@@ -29,8 +25,9 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
 
     w: uint8 [N, K/2] (C order), xe/xo: float32 [K/2], scales: float32 or uint16 [N, K/gs],
     out: float32 [>= 4]; rows r0 .. r0+3 must exist; K a multiple of 64."""
-    if not (_is(w, (types.uint8,), 2) and _is(xe, (types.float32,), 1) and _is(xo, (types.float32,), 1)
-            and _is(scales, (types.float32, types.uint16), 2) and _is(out, (types.float32,), 1)):
+    if not (is_c_array(w, (types.uint8,), 2) and is_c_array(xe, (types.float32,), 1)
+            and is_c_array(xo, (types.float32,), 1)
+            and is_c_array(scales, (types.float32, types.uint16), 2) and is_c_array(out, (types.float32,), 1)):
         return None
     half_scales = scales.dtype == types.uint16
 

@@ -23,6 +23,12 @@ V16F = ir.VectorType(F32, 16)
 V16B = ir.VectorType(I8, 16)
 
 
+def is_c_array(a, dtypes, ndim) -> bool:
+    """Whether a typed argument is a C-contiguous array of ``ndim`` dims and one of ``dtypes``
+    (the intrinsics' argument check)."""
+    return isinstance(a, types.Array) and a.ndim == ndim and a.layout == "C" and a.dtype in dtypes
+
+
 def declare(module: ir.Module, name: str, fnty: ir.FunctionType):
     """The function ``name`` in ``module``, declared once (llvmlite cannot name vector intrinsics)."""
     existing = module.globals.get(name)
