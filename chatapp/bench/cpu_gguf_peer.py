@@ -32,6 +32,7 @@ def run_chatapp(spec: dict, numerics: str = "exact", write_in_place: bool = True
     import mlx.core as mx
 
     from cache import make_caches
+    from chatapp.backend.fused_decode import fused_decoder
     from chatapp.bench.cpu_bench import chatapp_prefill, greedy_decode
     from chatapp.config import Config
     from chatapp.engine.setup import cache_settings_from, load_engine, session_from_config
@@ -45,7 +46,7 @@ def run_chatapp(spec: dict, numerics: str = "exact", write_in_place: bool = True
     t0 = time.perf_counter()
     loaded = load_engine(cfg)
     load_s = time.perf_counter() - t0
-    dec = getattr(loaded.model, "_chatapp_fused", None)
+    dec = fused_decoder(loaded.model)
     if dec is not None:
         dec.write_in_place = write_in_place
     name = "chatapp-append" if not write_in_place else ("chatapp" if numerics == "exact" else "chatapp-fast")
