@@ -84,15 +84,15 @@ def test_greedy_after_a_fused_prefill_equals_mlx():
     assert outs[0] == outs[1]
 
 
-def test_fast_numerics_keeps_the_last_layer_exact_and_a_cleared_mask_is_exact():
-    from chatapp.kernels.decode_step import FAST_ALL
+def test_fast_numerics_keeps_down_proj_and_the_last_layer_exact_and_a_cleared_mask_is_exact():
+    from chatapp.kernels.decode_step import FAST_ALL, FAST_DOWN
 
     exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
     apply_fast_path(exact, backend="cpu", warm_up=False)
     plan = apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
     dec = fast._chatapp_fused
-    assert list(dec.fast_mask) == [FAST_ALL] * (len(dec.layers) - 1) + [0]
-    assert "the last layer exact" in plan.fused_decode
+    assert list(dec.fast_mask) == [FAST_ALL & ~FAST_DOWN] * (len(dec.layers) - 1) + [0]
+    assert "down_proj and the last layer exact" in plan.fused_decode
 
     def step_logits(m):
         caches = make_caches(m, CacheSettings())
@@ -116,7 +116,7 @@ def test_fast_prefill_stays_close_to_the_exact_one(group_size, cached, tokens, s
     fast = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
     apply_fast_path(exact, backend="cpu", warm_up=False)
     apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
-    fast._chatapp_fused.set_fast(True, last_exact=False)  # two layers: both on int8
+    fast._chatapp_fused.set_fast(True, last_exact=False, down_exact=False)  # every product on int8
     ids = [int(t) for t in mx.random.randint(0, 256, (cached + tokens,), key=mx.random.key(seed))]
     (a, ca), (b, cb) = (_prefill(m, ids[:cached], ids[cached:]) for m in (exact, fast))
     assert not np.array_equal(a, b)

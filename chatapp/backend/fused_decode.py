@@ -195,19 +195,23 @@ class FusedDecoder:
         self._kv_stride = np.empty(n, np.int64)
         self._write_kv = np.zeros(n, np.int64)
 
-    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True) -> None:
+    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True) -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
         SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
         layer on int8, +0.41% with the last exact (first exact +0.65%, first and last +0.71%,
-        down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md."""
-        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT
+        down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md. ``down_exact``
+        keeps down_proj on float32 activations (its input, silu(gate) x up, has the widest range):
+        blocks of 8 on 3,072-token texts, perplexity +0.82% / +0.18% with it on int8, +0.40% / -0.02%
+        with it exact, at the same decode speed (BENCHMARKS.md)."""
+        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN
 
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         n = len(self.layers)
         self.fast = fast
-        self.fast_mask = np.full(n, (FAST_ALL | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
+        products = FAST_ALL & ~FAST_DOWN if down_exact else FAST_ALL
+        self.fast_mask = np.full(n, (products | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
 
@@ -379,7 +383,7 @@ def numerics_line(numerics: str) -> str:
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
 
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {ISA_NAMES[ISA]}; "
-            "the last layer exact)")
+            "down_proj and the last layer exact)")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "teacher-forced, for each route (0: skip; default 256)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
-                   "elements per int8 scale, '-all' with the last layer on int8 too (default: none)")
+                   "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
 
 
 def _variants(spec: str) -> list[tuple[str, int, bool]]:
@@ -139,7 +139,7 @@ def run(args) -> int:
 
     dec = fused_decoder(models["fast"])
     for name, block, last_exact in variants:
-        dec.set_fast(True, block, last_exact)
+        dec.set_fast(True, block, last_exact, down_exact=last_exact)
         logits[name] = _teacher_forced(models["fast"], ids)
     dec.set_fast(True)
     ex = logits["exact"]
