@@ -88,14 +88,6 @@ class ConcatKVCache(_CacheBase):
             self.values = mx.concatenate([self.values, values], axis=2)
         return self.keys, self.values
 
-    def wrote_in_place(self, n: int) -> None:
-        """Count ``n`` tokens that a native decode step wrote into ``full``'s buffers in place
-        (``full.writable_in_place(n)`` said it may): what ``update_and_fetch`` of those rows
-        would have left, for a cache with nothing to quantise or evict."""
-        if not self._plain:
-            raise ValueError(f"{self.mode}: rows written in place need a cache that never quantises or evicts")
-        self.full.wrote_in_place(n)
-
     def absorb(self, keys: mx.array, values: mx.array) -> None:
         """Take tokens outside a model step (conversion, restore)."""
         self.update_and_fetch(keys, values)

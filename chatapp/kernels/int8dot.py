@@ -125,6 +125,46 @@ def lane_params(builder, ptr, index, group_size: int, n_lanes: int, half: bool):
     return builder.shuffle_vector(v, v, ir.Constant(V16I, mask))
 
 
+def wide_steps(builder: ir.IRBuilder, nstep, tail, n_acc: int, zero, step, name: str) -> list:
+    """The loop every int8 kernel runs: ``nstep`` full steps of WIDE packed bytes, then a half
+    step when ``tail`` is set; ``step(byte_offset, accs, n_lanes)`` emits one step over ``n_acc``
+    <16 x float> accumulators and returns the new ones. Returns the final accumulators."""
+    entry = builder.block
+    loop = builder.append_basic_block(f"{name}.loop")
+    after = builder.append_basic_block(f"{name}.after")
+    builder.cbranch(builder.icmp_unsigned(">", nstep, ir.Constant(I64, 0)), loop, after)
+    builder.position_at_end(loop)
+    k = builder.phi(I64)
+    accs = [builder.phi(V16F) for _ in range(n_acc)]
+    k.add_incoming(ir.Constant(I64, 0), entry)
+    for a in accs:
+        a.add_incoming(zero, entry)
+    new_accs = step(builder.mul(k, ir.Constant(I64, WIDE)), accs, 16)
+    nxt = builder.add(k, ir.Constant(I64, 1))
+    k.add_incoming(nxt, builder.block)
+    for a, n in zip(accs, new_accs):
+        a.add_incoming(n, builder.block)
+    builder.cbranch(builder.icmp_unsigned("<", nxt, nstep), loop, after)
+    builder.position_at_end(after)
+    mids = [builder.phi(V16F) for _ in range(n_acc)]
+    for m, n in zip(mids, new_accs):
+        m.add_incoming(zero, entry)
+        m.add_incoming(n, loop)
+    half_blk = builder.append_basic_block(f"{name}.half")
+    done = builder.append_basic_block(f"{name}.done")
+    builder.cbranch(tail, half_blk, done)
+    builder.position_at_end(half_blk)
+    tail_accs = step(builder.mul(nstep, ir.Constant(I64, WIDE)), mids, 8)
+    tail_end = builder.block
+    builder.branch(done)
+    builder.position_at_end(done)
+    finals = [builder.phi(V16F) for _ in range(n_acc)]
+    for f, m, t in zip(finals, mids, tail_accs):
+        f.add_incoming(m, after)
+        f.add_incoming(t, tail_end)
+    return finals
+
+
 def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0):
     """``rows`` rows of a 4-bit weight against int8 activations, biases included:
 
@@ -208,39 +248,7 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0):
                     out_accs.append(builder.call(fma, [wb, xs, acc]))
                 return out_accs
 
-            entry = builder.block
-            loop = builder.append_basic_block("rowsi8.loop")
-            after = builder.append_basic_block("rowsi8.after")
-            builder.cbranch(builder.icmp_unsigned(">", nstep, ir.Constant(I64, 0)), loop, after)
-            builder.position_at_end(loop)
-            k = builder.phi(I64)
-            accs = [builder.phi(V16F) for _ in range(rows)]
-            k.add_incoming(ir.Constant(I64, 0), entry)
-            for a in accs:
-                a.add_incoming(zero, entry)
-            new_accs = step(builder.mul(k, ir.Constant(I64, WIDE)), accs, 16)
-            nxt = builder.add(k, ir.Constant(I64, 1))
-            k.add_incoming(nxt, builder.block)
-            for a, n in zip(accs, new_accs):
-                a.add_incoming(n, builder.block)
-            builder.cbranch(builder.icmp_unsigned("<", nxt, nstep), loop, after)
-            builder.position_at_end(after)
-            mids = [builder.phi(V16F) for _ in range(rows)]
-            for m, n in zip(mids, new_accs):
-                m.add_incoming(zero, entry)
-                m.add_incoming(n, loop)
-            half_blk = builder.append_basic_block("rowsi8.half")
-            done = builder.append_basic_block("rowsi8.done")
-            builder.cbranch(tail, half_blk, done)
-            builder.position_at_end(half_blk)
-            tail_accs = step(builder.mul(nstep, ir.Constant(I64, WIDE)), mids, 8)
-            tail_end = builder.block
-            builder.branch(done)
-            builder.position_at_end(done)
-            finals = [builder.phi(V16F) for _ in range(rows)]
-            for f, m, t in zip(finals, mids, tail_accs):
-                f.add_incoming(m, after)
-                f.add_incoming(t, tail_end)
+            finals = wide_steps(builder, nstep, tail, rows, zero, step, "rowsi8")
             for i, f in enumerate(finals):
                 builder.store(hsum(builder, f), builder.gep(outa.data, [ir.Constant(I64, i)]))
             return context.get_dummy_value()

@@ -19,7 +19,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .int8dot import ISA, ISAS, V8F, V16I, V32B, V64B, WIDE, dot_i32_wide, lane_params
+from .int8dot import ISA, ISAS, V8F, V16I, V32B, V64B, WIDE, dot_i32_wide, lane_params, wide_steps
 from .simd import I64, V16F, declare, hsum, is_c_array, vload
 
 ROWS, TOKENS = 4, 4  # 4 x 4 measured best of 4x1, 4x2, 2x4, 8x2 (same process, busy machine)
@@ -101,39 +101,7 @@ def make_tile_i8(isa: str, group_size: int, rows: int = ROWS, tokens: int = TOKE
                 return out_accs
 
             n_acc = rows * tokens
-            entry = builder.block
-            loop = builder.append_basic_block("tilei8.loop")
-            after = builder.append_basic_block("tilei8.after")
-            builder.cbranch(builder.icmp_unsigned(">", nstep, ir.Constant(I64, 0)), loop, after)
-            builder.position_at_end(loop)
-            k = builder.phi(I64)
-            accs = [builder.phi(V16F) for _ in range(n_acc)]
-            k.add_incoming(ir.Constant(I64, 0), entry)
-            for a in accs:
-                a.add_incoming(zero, entry)
-            new_accs = step(builder.mul(k, ir.Constant(I64, WIDE)), accs, 16)
-            nxt = builder.add(k, ir.Constant(I64, 1))
-            k.add_incoming(nxt, builder.block)
-            for a, n in zip(accs, new_accs):
-                a.add_incoming(n, builder.block)
-            builder.cbranch(builder.icmp_unsigned("<", nxt, nstep), loop, after)
-            builder.position_at_end(after)
-            mids = [builder.phi(V16F) for _ in range(n_acc)]
-            for m, n in zip(mids, new_accs):
-                m.add_incoming(zero, entry)
-                m.add_incoming(n, loop)
-            half_blk = builder.append_basic_block("tilei8.half")
-            done = builder.append_basic_block("tilei8.done")
-            builder.cbranch(tail, half_blk, done)
-            builder.position_at_end(half_blk)
-            tail_accs = step(builder.mul(nstep, ir.Constant(I64, WIDE)), mids, 8)
-            tail_end = builder.block
-            builder.branch(done)
-            builder.position_at_end(done)
-            finals = [builder.phi(V16F) for _ in range(n_acc)]
-            for f, m, t in zip(finals, mids, tail_accs):
-                f.add_incoming(m, after)
-                f.add_incoming(t, tail_end)
+            finals = wide_steps(builder, nstep, tail, n_acc, zero, step, "tilei8")
             for i, f in enumerate(finals):
                 builder.store(hsum(builder, f), builder.gep(outa.data, [ir.Constant(I64, i)]))
             return context.get_dummy_value()
