@@ -23,7 +23,6 @@ from cache import (
     convert_caches,
     make_caches,
     model_geometry,
-    total_usage,
 )
 from cache.settings import AUTO
 from chatapp.backend.fused_decode import steps_synchronously
@@ -31,10 +30,10 @@ from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
 from chatapp.prompt.formats import PromptFormat
 
-from .cache_map import session_map
+from .cache_view import session_view
 from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher, decode_tokens
-from .memory import memory_total, read_gauges
+from .memory import read_gauges
 from .prefix import PrefixSource, warm_start
 from .stats import CacheView, StepStat, TurnStats
 
@@ -604,34 +603,9 @@ class Session:
         )
 
     def cache_view(self, scan_messages: bool = True) -> CacheView:
-        """Cache usage for display. ``scan_messages`` also works out which messages the model
-        no longer sees (it re-tokenises the conversation, so streaming skips it)."""
-        usage = total_usage(self.caches)
-        evicted = self.caches[0].evicted
-        first_visible = self._first_visible if not scan_messages else 0
-        starts, rows = session_map(self) if scan_messages else ([], [])
-        if evicted and scan_messages:
-            limit = (self.settings.sinks if self.settings.evicts else 0) + evicted
-            starts = starts + [len(self.cached)]
-            first_visible = sum(1 for i in range(len(starts) - 1) if starts[i + 1] <= limit)
-        self._first_visible = first_visible
-        if scan_messages:  # one attention pass per layer: once per turn, not in the live views
-            self._sparsity = self._attention_sparsity()
-        return CacheView(
-            mode=self.mode, tokens=usage.tokens, capacity=usage.capacity,
-            full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=evicted,
-            bytes_held=usage.bytes_held, bytes_allocated=usage.bytes_allocated,
-            full_bytes=usage.full_bytes, quant_bytes=usage.quant_bytes,
-            memory_total=memory_total(),
-            conversation_tokens=len(self.cached), first_visible_message=first_visible,
-            per_layer_bytes=[c.nbytes for c in self.caches],
-            attention_sparsity=self._sparsity, messages=rows,
-            evicted_by_policy=dict(getattr(self.caches[0], "evicted_by", {})),
-            quantised_by_policy=dict(getattr(self.caches[0], "quantised_by", {})),
-        )
-
-    def _attention_sparsity(self) -> float | None:
-        """Mean over layers of the evicting caches' attention share on what they could evict
-        (the scored modes' votes, the window modes' last decode queries; None otherwise)."""
-        shares = [s for c in self.caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
-        return sum(shares) / len(shares) if shares else None
+        """Cache usage for display (engine/cache_view.py). ``scan_messages`` also works out which
+        messages the model no longer sees (it re-tokenises the conversation, so streaming skips it)
+        and the attention share; without it the last scan's are shown."""
+        view = session_view(self, scan_messages, self._first_visible, self._sparsity)
+        self._first_visible, self._sparsity = view.first_visible_message, view.attention_sparsity
+        return view
