@@ -69,8 +69,9 @@ APP_NAME = "chatapp"
 CONFIG_DIR_ENV = "CHATAPP_CONFIG_DIR"
 CONFIG_FILE_NAME = "config.toml"
 
-# cpu.numerics: the fused decode step's 4-bit products (backend/cpu.py validates against this too)
-NUMERICS = ("exact", "fast")
+# cpu.numerics: the fused decode and prefill steps' 4-bit products (backend/cpu.py validates against
+# this too); auto is fast where the CPU has a native int8 dot product, else exact (fused_decode.py)
+NUMERICS = ("auto", "exact", "fast")
 DENSE_WEIGHT_MODES = ("auto", "on", "off")  # cpu.dense_weights (backend/cpu.py validates against these too)
 KERNEL_MODES = ("auto", "off")  # cpu.kernels
 # The prompt formats ("auto" plus prompt.formats.FORMAT_NAMES).
@@ -365,7 +366,7 @@ class CpuConfig:
     fast_attention: bool = _setting(True, _Bool())
     numpy_matvec: bool = _setting(True, _Bool())
     fused_decode: bool = _setting(True, _Bool())
-    numerics: str = _setting("exact", _Choice(*NUMERICS))
+    numerics: str = _setting("auto", _Choice(*NUMERICS))
 
 
 @dataclass

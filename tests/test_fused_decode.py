@@ -187,3 +187,14 @@ def test_session_reply_through_the_fused_step_equals_mlx_lm(monkeypatch):
     asked.messages.pop()
     want = [int(r.token) for r in stream_generate(ref, tok, mx.array(session.format.tokens(asked)), max_tokens=24)]
     assert got == want and len(steps) >= 20
+
+
+def test_numerics_auto_is_fast_only_where_the_cpu_multiplies_int8_in_one_instruction(monkeypatch):
+    import chatapp.kernels.int8dot as int8dot
+    from chatapp.backend.fused_decode import numerics_line, resolve_numerics
+
+    for isa, want in (("vnni512", "fast"), ("vnni", "fast"), ("avx2", "exact"), ("generic", "exact")):
+        monkeypatch.setattr(int8dot, "ISA", isa)
+        assert resolve_numerics("auto") == want
+        assert numerics_line("auto").startswith(f"numerics {want}")
+        assert resolve_numerics("exact") == "exact" and resolve_numerics("fast") == "fast"

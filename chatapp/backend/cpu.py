@@ -169,8 +169,9 @@ def accelerate_model(
     kernels the plan uses now rather than in the first reply. fused_decode: a Llama-style model
     whose projections the kernels all support runs each single-token step as one native call
     (fused_decode.py); every supported projection then takes the kernel route, since
-    decode no longer pays a dispatch per small layer. numerics: "exact" or "fast" (the fused
-    step's 4-bit rows against int8-quantised activations, kernels/int8dot.py). dense_weights: "on" keeps a float32 copy
+    decode no longer pays a dispatch per small layer. numerics: "exact", "fast" (the fused
+    step's 4-bit rows against int8-quantised activations, kernels/int8dot.py) or "auto" (fast
+    where the CPU has VNNI, fused_decode.resolve_numerics). dense_weights: "on" keeps a float32 copy
     of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical

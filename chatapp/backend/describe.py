@@ -42,7 +42,8 @@ def cpu_backend_lines(cpu) -> list[str]:
             if cpu.fused_decode:
                 from chatapp.backend.fused_decode import numerics_line
 
-                lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics})")
+                lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics}"
+                             f"{': fast where the CPU has VNNI' if cpu.numerics == 'auto' else ''})")
     if cpu.dense_weights == "on":
         lines.append("dense_weights = on: every quantised layer keeps a float32 copy (8x the 4-bit bytes)")
     return lines

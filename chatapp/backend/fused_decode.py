@@ -130,7 +130,7 @@ class FusedDecoder:
     def __init__(self, model: nn.Module, numerics: str = "exact"):
         inner = _inner(model)
         # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
-        self.fast = numerics == "fast"
+        self.fast = resolve_numerics(numerics) == "fast"
         # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
         self.prefill_chunks = True
         self.layers: list[_Layer] = []
@@ -376,9 +376,20 @@ def _fused_class(base: type) -> type:
     return cls
 
 
+def resolve_numerics(numerics: str) -> str:
+    """``exact`` or ``fast`` for a cpu.numerics choice: ``auto`` is fast where the CPU multiplies
+    int8 in one instruction (VNNI, detected) and exact elsewhere, where the AVX2 or portable int8
+    code would not pay for its accuracy cost."""
+    if numerics != "auto":
+        return numerics
+    from chatapp.kernels.int8dot import ISA, NATIVE_INT8_ISAS
+
+    return "fast" if ISA in NATIVE_INT8_ISAS else "exact"
+
+
 def numerics_line(numerics: str) -> str:
     """How the fused step's 4-bit products are computed, for the plan and --show-config."""
-    if numerics != "fast":
+    if resolve_numerics(numerics) != "fast":
         return "numerics exact (float32 activations)"
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
 
@@ -393,6 +404,7 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
     why = fused_unsupported(model)
     if why:
         return f"fused decode: off ({why})"
+    numerics = resolve_numerics(numerics)
     dec = FusedDecoder(model, numerics)
     if warm_up:
         from cache import CacheSettings, PreallocKVCache

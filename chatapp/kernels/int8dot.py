@@ -38,6 +38,8 @@ ROWS = 4  # rows per kernel call: they share each activation load
 # see ``FusedDecoder`` and BENCHMARKS.md for what each costs in perplexity
 ACT_BLOCK = 8
 ISAS = ("vnni512", "vnni", "avx2", "generic")
+# where int8 products are one instruction (vpdpbusd): cpu.numerics = auto picks fast there only
+NATIVE_INT8_ISAS = ("vnni512", "vnni")
 _I32 = ir.IntType(32)
 _I16 = ir.IntType(16)
 V32B = ir.VectorType(I8, 32)
