@@ -171,15 +171,11 @@ class FusedDecoder:
         self._k_out = np.empty(kd, np.float32)
         self._attn = np.empty(hd, np.float32)
         self._act = np.empty(hidden, np.float32)
-        # what token_step takes: the weights as typed lists (built once), norms and bits stacked
-        from numba.typed import List
+        # what token_step takes: the weights as typed lists (built once, by cached code), norms
+        # and bits stacked
+        from chatapp.kernels.typed_lists import typed_list
 
-        self._lists = []
-        for j in range(len(_PROJECTIONS)):
-            lst = List()
-            for layer in self.layers:
-                lst.append(layer.weights[j])
-            self._lists.append(lst)
+        self._lists = [typed_list([layer.weights[j] for layer in self.layers]) for j in range(len(_PROJECTIONS))]
         self._attn_norms = np.stack([layer.attn_norm for layer in self.layers])
         self._mlp_norms = np.stack([layer.mlp_norm for layer in self.layers])
         self._bits = np.stack([layer.bits for layer in self.layers])
