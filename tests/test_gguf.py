@@ -132,3 +132,72 @@ def test_header_reader_counts_types(reference, tmp_path):
     write_model_gguf(tmp_path / "m.gguf", reference, matrices=Q4_1, embedding=Q8_0)
     h = read_header(tmp_path / "m.gguf")
     assert h.type_counts == {"Q8_0": 1, "Q4_1": 14, "F32": 5} and h.types_line().startswith("Q4_1 x14")
+
+
+# --- reading tensors one at a time (chatapp.model.gguf_tensors) against mx.load ----------------
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16) if a.dtype.size == 2 else a.view(mx.uint8))
+
+
+@pytest.mark.parametrize("matrices,embedding", [(Q4_1, Q8_0), (Q4_0, F16), (Q8_0, Q4_1), (F16, Q4_0)])
+def test_tensors_read_one_at_a_time_are_mx_loads_bit_for_bit(reference, matrices, embedding, tmp_path,
+                                                             monkeypatch):
+    """Same names, shapes, dtypes and bits as mx.load followed by the q/k un-permutation, for every
+    type the reader takes, also when a tensor spans several read chunks."""
+    pytest.importorskip("numba")
+    import chatapp.model.gguf_tensors as gt
+    from chatapp.model.gguf import config_from_header, map_weights, open_gguf, row_orders
+
+    path = tmp_path / "m.gguf"
+    write_model_gguf(path, reference, matrices=matrices, embedding=embedding)
+    header = open_gguf(path)
+    config = config_from_header(header)
+    want = map_weights(mx.load(str(path)), config)
+    monkeypatch.setattr(gt, "CHUNK_BYTES", 64)  # a few rows a chunk: the chunk seams are exercised
+    got = map_weights(gt.read_tensors(header, row_orders(header, config)), config, unpermuted=True)
+    assert sorted(got) == sorted(want)
+    for name, a in want.items():
+        b = got[name]
+        assert (b.dtype, b.shape) == (a.dtype, a.shape), name
+        np.testing.assert_array_equal(_bits(b), _bits(a), err_msg=name)
+
+
+def test_the_loaders_two_routes_give_the_same_model(reference, tmp_path, monkeypatch):
+    """load_gguf with numba (one tensor at a time) and without it (mx.load) load the same parameters."""
+    pytest.importorskip("numba")
+    from mlx.utils import tree_flatten
+
+    import chatapp.model.gguf_tensors as gt
+
+    path = tmp_path / "m.gguf"
+    write_model_gguf(path, reference, matrices=Q4_0, embedding=Q8_0)
+    direct = dict(tree_flatten(load_gguf(path).model.parameters()))
+    monkeypatch.setattr(gt, "can_read", lambda: False)
+    mapped = dict(tree_flatten(load_gguf(path).model.parameters()))
+    assert sorted(direct) == sorted(mapped)
+    for name, a in mapped.items():
+        np.testing.assert_array_equal(_bits(direct[name]), _bits(a), err_msg=name)
+
+
+def test_scale_times_minus_a_power_of_two_rounds_as_float32_to_float16_does():
+    """MLX's Q4_0/Q8_0 biases (-8 and -128 x the float16 scale), computed on the half bits, for all
+    65,536 of them: subnormals, overflow to infinity, infinities and NaNs included."""
+    pytest.importorskip("numba")
+    from numba import njit
+
+    from chatapp.kernels.gguf_blocks import times_minus_pow2
+
+    @njit
+    def every(h, k, out):
+        for i in range(h.shape[0]):
+            out[i] = times_minus_pow2(np.int64(h[i]), k)
+
+    h = np.arange(1 << 16, dtype=np.uint16)
+    for k in (3, 7):
+        got = np.empty_like(h)
+        every(h, k, got)
+        with np.errstate(all="ignore"):
+            want = (h.view(np.float16).astype(np.float32) * np.float32(-(2**k))).astype(np.float16).view(np.uint16)
+        np.testing.assert_array_equal(got, want)

@@ -171,15 +171,11 @@ class FusedDecoder:
         self._k_out = np.empty(kd, np.float32)
         self._attn = np.empty(hd, np.float32)
         self._act = np.empty(hidden, np.float32)
-        # what token_step takes: the weights as typed lists (built once), norms and bits stacked
-        from numba.typed import List
+        # what token_step takes: the weights as typed lists (built once, by cached code), norms
+        # and bits stacked
+        from chatapp.kernels.typed_lists import typed_list
 
-        self._lists = []
-        for j in range(len(_PROJECTIONS)):
-            lst = List()
-            for layer in self.layers:
-                lst.append(layer.weights[j])
-            self._lists.append(lst)
+        self._lists = [typed_list([layer.weights[j] for layer in self.layers]) for j in range(len(_PROJECTIONS))]
         self._attn_norms = np.stack([layer.attn_norm for layer in self.layers])
         self._mlp_norms = np.stack([layer.mlp_norm for layer in self.layers])
         self._bits = np.stack([layer.bits for layer in self.layers])
@@ -320,15 +316,21 @@ class FusedDecoder:
         n_cached = self._cache_buffers(caches, T)
         cos, sin = rope_table(n_cached, T, self.inv_freq)
         hd, kd = self.n_heads * D, KVH * D
-        k_out, v_out = np.empty((L, T, kd), np.float32), np.empty((L, T, kd), np.float32)
+        # the kernel writes the chunk's K/V rows straight into these MLX arrays (through numpy views
+        # of their buffers), so the cache appends read them without a copy of all layers' rows
+        k_all, v_all = mx.zeros((L, T, kd), mx.float32), mx.zeros((L, T, kd), mx.float32)
+        mx.eval(k_all, v_all)
+        k_out = np.frombuffer(memoryview(k_all), np.float32).reshape(L, T, kd)
+        v_out = np.frombuffer(memoryview(v_all), np.float32).reshape(L, T, kd)
         pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.fast_mask)
-        k_new = mx.array(k_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
-        v_new = mx.array(v_out).reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+        del k_out, v_out
+        k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+        v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         for i, c in enumerate(caches):
             c.update_and_fetch(k_new[i][None], v_new[i][None])
         return self._head(x[-1])

@@ -149,9 +149,35 @@ def _unpermute(w, n_heads: int):
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def map_weights(raw: dict, config: dict) -> dict:
-    """``mx.load``'s GGUF tensors -> mlx-lm llama parameter names, q/k rows un-permuted."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+def _heads(config: dict) -> dict[str, int]:
+    """The tensors whose rows llama.cpp permuted, and the head count each permutation ran over."""
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+
+def row_orders(header: GGUFHeader, config: dict) -> dict:
+    """For each permuted tensor (attn_q/attn_k weights and biases): the row each of its rows goes
+    to (int64 numpy arrays), so that reading row i into row ``order[i]`` does what
+    :func:`_unpermute` does."""
+    import numpy as np
+
+    heads = _heads(config)
+    out = {}
+    for t in header.tensors:
+        base = next((t.name[: -len(s)] for s in _SUFFIXES if t.name.endswith(s)), t.name)
+        n_heads = heads.get(base.rsplit(".", 1)[-1])
+        if n_heads:
+            rows = int(t.shape[-1])  # ggml order: the outermost axis last
+            src_of_dst = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+            order = np.empty(rows, np.int64)
+            order[src_of_dst] = np.arange(rows)
+            out[t.name] = order
+    return out
+
+
+def map_weights(raw: dict, config: dict, unpermuted: bool = False) -> dict:
+    """``mx.load``'s GGUF tensors -> mlx-lm llama parameter names, q/k rows un-permuted (unless
+    ``unpermuted``: read in their order already, gguf_tensors.py)."""
+    heads = {} if unpermuted else _heads(config)
     out = {}
     for name, arr in raw.items():
         base = next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
@@ -194,15 +220,22 @@ def load_gguf(path: str | Path) -> GGUFModel:
     import mlx.nn as nn
     from mlx_lm.utils import _get_classes
 
+    from .gguf_tensors import can_read, read_tensors
+
     where = Path(path).name
     header = open_gguf(path)
     config = config_from_header(header)
     tokenizer = build_tokenizer(header, where)
-    try:
-        raw = mx.load(str(path))
-    except Exception as err:  # noqa: BLE001 - the header was fine but the data is not
-        raise GGUFError(f"cannot read the tensors of {where}: {type(err).__name__}: {err}") from err
-    weights = map_weights(raw, config)
+    direct = can_read()
+    if direct:  # one tensor at a time, rows un-permuted as they are read: no mapped file, no copies
+        raw = read_tensors(header, row_orders(header, config))
+    else:
+        try:
+            raw = mx.load(str(path))
+        except Exception as err:  # noqa: BLE001 - the header was fine but the data is not
+            raise GGUFError(f"cannot read the tensors of {where}: {type(err).__name__}: {err}") from err
+    weights = map_weights(raw, config, unpermuted=direct)
+    del raw
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     quant = config.get("quantization", {})

@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from chatapp.model.modelfiles import ModelLoadError, one_line, read_config
+from chatapp.model.npz_direct import read_npz
 from chatapp.model.spm_rules import SPM_WORDS, score_ordered_merges
 
 __all__ = ["legacy_config_to_mlx", "legacy_weight_name", "load_legacy_model", "load_legacy_tokenizer"]
@@ -117,7 +118,9 @@ def load_legacy_model(path: Path, files: list[Path], where: str) -> tuple[nn.Mod
         )
     raw: dict[str, mx.array] = {}
     for file in files:
-        raw.update(mx.load(str(file)))
+        # read straight into the arrays when the npz is uncompressed (no transient copy); else mx.load
+        direct = read_npz(file)
+        raw.update(direct if direct is not None else mx.load(str(file)))
     config = legacy_config_to_mlx(legacy, raw)
 
     weights: dict[str, mx.array] = {}
