@@ -107,16 +107,18 @@ def test_fast_numerics_keeps_down_proj_and_the_last_layer_exact_and_a_cleared_ma
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(group_size=st.sampled_from([32, 64]), cached=st.integers(0, 20), tokens=st.integers(2, 23),
-       seed=st.integers(0, 3))
-def test_fast_prefill_stays_close_to_the_exact_one(group_size, cached, tokens, seed):
-    """numerics fast: the prefill's 4-bit products on int8 activations (int8tile.py, 4 rows x 4
-    tokens, token counts that are no multiple of 4 included): last logits and every cached K/V
-    within int8 rounding of the exact fused prefill; a cleared mask gives the exact numbers."""
+       seed=st.integers(0, 3), prefill_block=st.sampled_from([0, 8, 64]))
+def test_fast_prefill_stays_close_to_the_exact_one(group_size, cached, tokens, seed, prefill_block):
+    """numerics fast: the prefill's 4-bit products on int8 activations (int8panel.py, 16 rows x 8
+    tokens, token counts that are no multiple of 8 included; activation blocks finer than, as and
+    coarser than the group): last logits and every cached K/V within int8 rounding of the exact
+    fused prefill; a cleared mask gives the exact numbers."""
     exact = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
     fast = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
     apply_fast_path(exact, backend="cpu", warm_up=False)
     apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
-    fast._chatapp_fused.set_fast(True, last_exact=False, down_exact=False)  # every product on int8
+    # every product on int8
+    fast._chatapp_fused.set_fast(True, last_exact=False, down_exact=False, prefill_block=prefill_block)
     ids = [int(t) for t in mx.random.randint(0, 256, (cached + tokens,), key=mx.random.key(seed))]
     (a, ca), (b, cb) = (_prefill(m, ids[:cached], ids[cached:]) for m in (exact, fast))
     assert not np.array_equal(a, b)

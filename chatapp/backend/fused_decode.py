@@ -191,7 +191,8 @@ class FusedDecoder:
         self._kv_stride = np.empty(n, np.int64)
         self._write_kv = np.zeros(n, np.int64)
 
-    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True) -> None:
+    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True,
+                 prefill_block: int = 0) -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
         SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
@@ -199,11 +200,17 @@ class FusedDecoder:
         down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md. ``down_exact``
         keeps down_proj on float32 activations (its input, silu(gate) x up, has the widest range):
         blocks of 8 on 3,072-token texts, perplexity +0.82% / +0.18% with it on int8, +0.40% / -0.02%
-        with it exact, at the same decode speed (BENCHMARKS.md)."""
+        with it exact, at the same decode speed (BENCHMARKS.md). ``prefill_block``: the elements
+        per int8 scale of the prefill's products (kernels/int8panel.py; 0: its PREFILL_ACT_BLOCK),
+        which may be coarser than the decode's: the panel kernel scales once per block (or group)."""
         from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN
 
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
+        if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
+                k % prefill_block for k in (self.dim, self.n_heads * self.head_dim, self._act.shape[0])):
+            raise ValueError(f"prefill_block must be 8, 16, 32, 64 or 128 dividing the inputs, not {prefill_block}")
+        self.prefill_block = prefill_block
         n = len(self.layers)
         self.fast = fast
         products = FAST_ALL & ~FAST_DOWN if down_exact else FAST_ALL
@@ -303,7 +310,7 @@ class FusedDecoder:
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
         chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32; with
-        numerics fast the products of fast_mask on int8 activations, kernels/int8tile.py)."""
+        numerics fast the products of fast_mask on int8 activations, kernels/int8panel.py)."""
         from chatapp.kernels.pool import pool
         from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
 
@@ -327,7 +334,7 @@ class FusedDecoder:
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
-                         self.fast_mask)
+                         self.fast_mask, self.prefill_block)
         del k_out, v_out
         k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
@@ -394,8 +401,10 @@ def numerics_line(numerics: str) -> str:
     if resolve_numerics(numerics) != "fast":
         return "numerics exact (float32 activations)"
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
+    from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
 
-    return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {ISA_NAMES[ISA]}; "
+    return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
+            f"{ISA_NAMES[ISA]}; "
             "down_proj and the last layer exact)")
 
 

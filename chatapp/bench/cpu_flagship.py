@@ -61,7 +61,8 @@ def add_flagship_arguments(p) -> None:
                    help="prompt tokens of the greedy check, mlx-lm's prompt (default 32)")
     g.add_argument("--greedy", type=int, default=16, help="greedy tokens compared with mlx-lm (default 16)")
     g.add_argument("--contexts", default="2048,4096",
-                   help="cached tokens for the long-context decode (default 2048,4096)")
+                   help="cached tokens for the long-context decode (default 2048,4096; '': none, for a "
+                   "prefill-only run)")
     g.add_argument("--modes", default="prealloc,window-quant", help="chatapp cache modes at long context")
     g.add_argument("--long-tokens", type=int, default=8, help="tokens decoded per long-context point (default 8)")
     g.add_argument("--peers", default="chatapp,mlx-lm,llama.cpp",

@@ -99,7 +99,7 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact", 
     g = {"kv_heads": geom.n_kv_heads, "head_dim": geom.head_dim}
     defaults = CacheConfig()
     res["long"] = []
-    for mode in spec["modes"]:
+    for mode in spec["modes"] if spec["contexts"] else []:  # --contexts '': no long-context decode
         settings = CacheSettings(mode=mode, sinks=defaults.sinks, window=defaults.window,
                                  evict_chunk=defaults.evict_chunk, kv_bits=defaults.kv_bits,
                                  kv_group_size=defaults.kv_group_size,

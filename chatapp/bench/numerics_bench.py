@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=256,
                    help="also: the first N text tokens as one prefill chunk (the fused prefill), the rest "
                    "teacher-forced, for each route (0: skip; default 256)")
+    p.add_argument("--prefill-blocks", default="",
+                   help="more fast prefill rows, e.g. '8,64': elements per int8 activation scale in the "
+                   "prefill's products (kernels/int8panel.py; default: none, only its PREFILL_ACT_BLOCK)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
@@ -146,8 +149,13 @@ def run(args) -> int:
     rel = {n: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(lg, ex)) for n, lg in logits.items()}
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
     pre = {}
+    blocks = [int(b) for b in args.prefill_blocks.split(",") if b.strip()]
     if 0 < args.prefill < len(ids) - 1:
         pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
+        for b in blocks:
+            dec.set_fast(True, prefill_block=b)
+            pre[f"fast, block {b}"] = _prefilled(models["fast"], ids, args.prefill)
+        dec.set_fast(True)
     rates: dict[str, list[float]] = {"exact": [], "fast": []}
     for r in range(max(1, args.repeats)):
         for n in ("exact", "fast") if r % 2 == 0 else ("fast", "exact"):
@@ -168,6 +176,13 @@ def run(args) -> int:
         agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
         rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
         ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
+        for b in blocks:
+            lg = pre[f"fast, block {b}"]
+            p_b = _ppl(lg, tail)
+            d = max(float(np.abs(a - e).max() / np.abs(e).max()) for a, e in zip(lg, pre["exact"]))
+            agree_b = sum(int(a.argmax() == e.argmax()) for a, e in zip(lg, pre["exact"])) / len(pre["exact"])
+            rep.add(f"fast, prefill {args.prefill}, block {b}", p_b, p_b / p_ex, d, agree_b, "", "")
+            ppl[f"fast, prefill {args.prefill}, block {b}"] = p_b
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")
     rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)

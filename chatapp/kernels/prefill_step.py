@@ -28,12 +28,19 @@ import numpy as np
 from numba import carray, njit
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
-from .decode_step import FAST_BLOCK_SHIFT, LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
-from .int8dot import ACT_BLOCK
-from .int8tile import ROWS, TOKENS, q4_tile_i8, quantise_tokens
+from .decode_step import LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
+from .int8panel import (
+    PANEL_ROWS,
+    PANEL_TOKENS,
+    PREFILL_ACT_BLOCK,
+    pack_panel,
+    panel_unit,
+    q4_panel_tile,
+    quantise_panel_tokens,
+)
 from .llvm import as_f32
 
-ROW_TILE = 16  # rows dequantised per claim: 16 x 1536 float32 = 96 KiB, inside L2
+ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
 TOKEN_BLOCK = 16  # query tokens per attention claim
 
 
@@ -122,39 +129,46 @@ def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq):  # pragma: no cover - jitted
-    """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n: on float32 (the tile
-    dequantised, then _tile_times), or when ``fast`` and 4-bit on int8 activations (xq of
-    quantise_tokens, token rows padded to a multiple of TOKENS), 4 rows x 4 tokens a call;
-    rows past a multiple of 4 stay float32."""
-    n4 = n // ROWS * ROWS if fast and bits == 4 else 0
-    if n4:
+def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq, pan, unit):  # pragma: no cover
+    """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n <= ROW_TILE: on float32
+    (the tile dequantised, then _tile_times), or when ``fast`` and 4-bit on int8 activations
+    (int8panel: the rows packed into ``pan``, then PANEL_TOKENS tokens of xq a call)."""
+    if fast and bits == 4:
         packed, scales, biases = w
+        pack_panel(packed, scales, biases, r0, n, pan[0], pan[1], pan[2])
         T = xp.shape[0]
-        out = np.empty(ROWS * TOKENS, np.float32)
-        for i in range(0, n4, ROWS):
-            for t in range(0, T, TOKENS):
-                q4_tile_i8(packed, r0 + i, xq, t, scales, biases, group_size, out)
-                for j in range(min(TOKENS, T - t)):
-                    for a in range(ROWS):
-                        _put(dst, t + j, col0 + i + a, out[a * TOKENS + j], add)
-    if n4 < n:
-        _dequant_tile(w, bits, group_size, r0 + n4, n - n4, tile)
-        _tile_times(tile, n - n4, xp, dst, col0 + n4, add)
+        out = np.empty(PANEL_TOKENS * PANEL_ROWS, np.float32)
+        for t in range(0, T, PANEL_TOKENS):
+            q4_panel_tile(pan, xq, t, group_size, unit, out)
+            for j in range(min(PANEL_TOKENS, T - t)):
+                for i in range(n):
+                    _put(dst, t + j, col0 + i, out[j * PANEL_ROWS + i], add)
+    else:
+        _dequant_tile(w, bits, group_size, r0, n, tile)
+        _tile_times(tile, n, xp, dst, col0, add)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _quantised(xp, fast, block):  # pragma: no cover - jitted
-    """The int8 lanes of xp [T, K] (quantise_tokens), token rows padded with zeros to a multiple
-    of TOKENS; tiny arrays when not ``fast`` (nothing reads them)."""
+def _quantised(xp, fast, block, unit):  # pragma: no cover - jitted
+    """The int8 activations of xp [T, K] for the panel kernel (quantise_panel_tokens), tokens
+    padded with zeros to a multiple of PANEL_TOKENS; tiny arrays when not ``fast`` (nothing
+    reads them)."""
     T, K = xp.shape
-    Tp = (T + TOKENS - 1) // TOKENS * TOKENS if fast else 1
-    Kq = K if fast else 64
-    xq = (np.zeros((Tp, Kq // 2), np.int8), np.zeros((Tp, Kq // 2), np.int8), np.zeros((Tp, Kq // 8), np.float32),
-          np.zeros((Tp, Kq // 8), np.float32))
+    Tp = (T + PANEL_TOKENS - 1) // PANEL_TOKENS * PANEL_TOKENS if fast else 1
+    Kq = K if fast else unit
+    xq = (np.zeros((Kq // 8, Tp, 4), np.int8), np.zeros((Kq // 8, Tp, 4), np.int8),
+          np.zeros((Kq // unit, Tp), np.float32), np.zeros((Kq // unit, Tp), np.float32))
     if fast:
-        quantise_tokens(xp, block, xq[0][:T], xq[1][:T], xq[2][:T], xq[3][:T])
+        quantise_panel_tokens(xp, block, unit, xq[0], xq[1], xq[2], xq[3])
     return xq
+
+
+@njit(nogil=True, cache=True)
+def _panel(K, group_size, fast):  # pragma: no cover - jitted
+    """A claim's panel (pack_panel) for rows of K elements; tiny arrays when not ``fast``."""
+    Kp = K if fast else group_size
+    return (np.empty((Kp // 8, PANEL_ROWS), np.uint32), np.empty((Kp // group_size, PANEL_ROWS), np.float32),
+            np.empty((Kp // group_size, PANEL_ROWS), np.float32))
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -179,17 +193,18 @@ def _permuted(src, norm_w, eps, xp):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq):  # pragma: no cover - jitted
+def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq, unit):  # pragma: no cover
     """dst (= or +=) xp @ w^T, tiles of ROW_TILE rows claimed one at a time; ends at the barrier."""
     N = w[0].shape[0]
     n_chunks = (N + ROW_TILE - 1) // ROW_TILE
+    pan = _panel(xp.shape[1], group_size, fast)
     while True:
         c = phase_claim(ctl, phase, n_chunks)
         if c < 0:
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, N - r0)
-        _tile_product(w, bits, group_size, r0, n, xp, dst, r0, add, tile, fast, xq)
+        _tile_product(w, bits, group_size, r0, n, xp, dst, r0, add, tile, fast, xq, pan, unit)
         phase_done(ctl, phase)
     phase_barrier(ctl, phase, n_chunks)
 
@@ -197,20 +212,21 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, k_new, v_new, attn, act, fast=0):  # pragma: no cover - jitted
+                  scale, q, k_raw, k_new, v_new, attn, act, fast=0, act_block=0):  # pragma: no cover - jitted
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
     the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
     buffers, n_cached rows held. Outputs: k_new (roped) and v_new [T, kv_heads * D] for the
     caller to append; q [T, heads * D], k_raw [T, kv_heads * D] (keys before RoPE), attn
-    [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (and the
-    activation block above them): those products' 4-bit rows run on int8 activations (int8tile)."""
+    [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
+    decode's activation block above them is not read here): those products' 4-bit rows run on
+    int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
+    PREFILL_ACT_BLOCK)."""
     T, dim = x.shape
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
-    act_blk = fast >> FAST_BLOCK_SHIFT
-    if act_blk == 0:
-        act_blk = ACT_BLOCK
+    act_blk = act_block if act_block else PREFILL_ACT_BLOCK
+    unit = panel_unit(act_blk, group_size)
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
     G = n_heads // n_kv_heads
@@ -223,7 +239,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 0. q, k, v: one phase over the row tiles of the three weights
     _permuted(x, attn_norm, eps, xp_d)
-    xq = _quantised(xp_d, f_qkv, act_blk)
+    xq = _quantised(xp_d, f_qkv, act_blk, unit)
+    pan_d = _panel(dim, group_size, f_qkv or f_gu)
     nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
     cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
     n0 = cq + ck + (nv + ROW_TILE - 1) // ROW_TILE
@@ -238,7 +255,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         else:
             w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
         n = min(ROW_TILE, w[0].shape[0] - r0)
-        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, False, tile_d, f_qkv, xq)
+        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, False, tile_d, f_qkv, xq, pan_d, unit)
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
@@ -292,11 +309,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)
-    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a, f_o, _quantised(xp_a, f_o, act_blk))
+    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a, f_o, _quantised(xp_a, f_o, act_blk, unit),
+                   unit)
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
     _permuted(x, mlp_norm, eps, xp_d)
-    xq = _quantised(xp_d, f_gu, act_blk)
+    xq = _quantised(xp_d, f_gu, act_blk, unit)
     gu = np.empty((T, ROW_TILE), np.float32)
     uu = np.empty((T, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
@@ -306,8 +324,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, hidden - r0)
-        _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, 0, False, tile_d, f_gu, xq)
-        _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq)
+        _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, 0, False, tile_d, f_gu, xq, pan_d, unit)
+        _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq, pan_d, unit)
         for t in range(T):
             for i in range(n):
                 act[t, r0 + i] = silu_mul(gu[t, i], uu[t, i])
@@ -316,7 +334,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 5. x += down(act)
     _permuted(act, no_norm, eps, xp_h)
-    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down, _quantised(xp_h, f_down, act_blk))
+    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down,
+                   _quantised(xp_h, f_down, act_blk, unit), unit)
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
@@ -326,11 +345,12 @@ LAYER_CTL = 2 * LINE * 5
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_raw, k_out, v_out, attn, act, fast):  # pragma: no cover - jitted
+                 scale, q, k_raw, k_out, v_out, attn, act, fast, act_block=0):  # pragma: no cover - jitted
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
     takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V; fast [L]
-    as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8tile.py)."""
+    as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
+    ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
@@ -338,7 +358,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act,
-                      fast[layer])
+                      fast[layer], act_block)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

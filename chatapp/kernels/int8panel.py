@@ -1,0 +1,254 @@
+"""Prefill products on integers (``cpu.numerics = fast``): a GEMM microkernel, 16 rows x 8 tokens.
+
+The former tile (4 rows x 4 tokens on the row layout) paid per row, token and 128 weights two
+``vpdpbusd`` plus a conversion, a multiply and two FMAs (the per-8-element activation scale and
+the bias) and a horizontal sum per result: ~1.7x the float tile. Here, as llama.cpp and BLIS do,
+each claim of 16 rows is repacked once (``pack_panel``, into a panel of ``K/8 x 16`` dwords that
+stays in L2: no permanent copy) so that one 64-byte load holds 4 packed bytes (8 weights) of each
+of the 16 rows; an AND and a shift give the even and odd weights, and every token's 4 int8
+activations of those positions are broadcast to a ``vpdpbusd`` against all 16 rows. The int32
+accumulators (one vector per token: 16 rows) run over a whole scale *unit* (``unit`` natural
+elements: the activation block, at most the weight group), and only then is each converted and
+scaled: one conversion, one multiply (row scales x token scale), one FMA, and one more FMA for the
+bias (row biases x the token's float sum over the unit, as the float route adds it). With units
+of 32 that is 8 ``vpdpbusd`` per 4 float operations, 16 with units of 64; no horizontal sums, and
+each result vector is 16 consecutive outputs of a token.
+
+Activations (``quantise_panel_tokens``): from prefill_step's de-interleaved rows (even elements,
+then odd), int8 per ``block`` natural elements (max|x| / 127, nearest), stored step-major
+``[K/8, Tp, 4]`` so a token block's broadcasts are consecutive dwords, and per unit and token the
+scale and the float sum ``[K/unit, Tp]``. Tokens past T are zero (their results are not read).
+
+The instruction comes from int8dot.ISA (detected, never assumed); without AVX-512 VNNI the same
+IR lowers through dot_i32_wide's AVX-VNNI, AVX2 or portable forms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide
+from .llvm import as_f32
+from .simd import I64, V16F, declare, is_c_array, splat
+
+PANEL_ROWS = 16  # rows per panel: one int32 lane each
+# tokens per kernel call: 8 int32 + 8 float accumulators, 16 of the 32 zmm (6, 8, 10 and 12 tokens
+# measured within noise of each other on a busy Xeon; 8 divides the usual chunk sizes)
+PANEL_TOKENS = 8
+# natural elements per int8 activation scale in the prefill (llama.cpp's Q8_0 block); decode keeps
+# int8dot.ACT_BLOCK. Perplexity of each: BENCHMARKS.md
+PREFILL_ACT_BLOCK = 32
+_I32 = ir.IntType(32)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def panel_unit(block: int, group_size: int) -> int:
+    """Natural elements the int32 accumulators run over before scaling: the activation block,
+    at most the weight group (both powers of two, so one divides the other)."""
+    return min(block, group_size)
+
+
+def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TOKENS):
+    """out[j * 16 + i] = panel row i times token t0 + j (j < tokens), biases included.
+
+    panel: uint32 [K/8, 16] (pack_panel); pscale/pbias: float32 [K/group_size, 16]; xe/xo: int8
+    [K/8, Tp, 4] (quantise_panel_tokens: even / odd elements); ts/tsum: float32 [K/unit, Tp];
+    out: float32 [>= tokens * 16]; tokens t0 .. t0 + tokens - 1 must exist (< Tp)."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
+    if unit % 8 or group_size % unit:
+        raise ValueError(f"unit {unit} must be a multiple of 8 dividing the group {group_size}")
+    ksteps = unit // 8  # dword steps (8 weights each) per unit
+    units_per_group = group_size // unit
+
+    @intrinsic
+    def q4_panel_tile(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
+        if not (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
+                and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
+                and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
+                and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
+                                                for i in (0, 1, 2, 3, 4, 5, 6, 8))
+            t0v = args[7]
+            n_units = builder.extract_value(ta.shape, 0)
+            tp = builder.extract_value(ta.shape, 1)
+            pan = builder.bitcast(pa.data, _I32.as_pointer())
+            xe32 = builder.bitcast(ea.data, _I32.as_pointer())
+            xo32 = builder.bitcast(oa.data, _I32.as_pointer())
+            fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
+            fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
+            zero = ir.Constant(V16F, [0.0] * 16)
+            izero = ir.Constant(V16I, [0] * 16)
+
+            def load_vec(ptr, index, vtype, align):
+                p = builder.gep(ptr, [index])
+                return builder.load(builder.bitcast(p, vtype.as_pointer()), align=align)
+
+            def bcast_i32(ptr, index):
+                v = builder.load(builder.gep(ptr, [index]), align=1)
+                return builder.bitcast(splat(builder, v, V16I), V64B)
+
+            entry = builder.block
+            loop = builder.append_basic_block("panel.loop")
+            done = builder.append_basic_block("panel.done")
+            builder.cbranch(builder.icmp_unsigned(">", n_units, ir.Constant(I64, 0)), loop, done)
+            builder.position_at_end(loop)
+            u = builder.phi(I64)
+            u.add_incoming(ir.Constant(I64, 0), entry)
+            faccs = [builder.phi(V16F) for _ in range(tokens)]
+            for f in faccs:
+                f.add_incoming(zero, entry)
+            iaccs = [izero] * tokens  # reset per unit: the scales apply to a unit's sum
+            for s_local in range(ksteps):
+                s = builder.add(builder.mul(u, ir.Constant(I64, ksteps)), ir.Constant(I64, s_local))
+                w = builder.bitcast(load_vec(pan, builder.mul(s, ir.Constant(I64, 16)), V16I, 1), V64B)
+                lo, hi = builder.and_(w, fifteen), builder.lshr(w, four)
+                tok0 = builder.add(builder.mul(s, tp), t0v)
+                for j in range(tokens):
+                    idx = builder.add(tok0, ir.Constant(I64, j))
+                    # one chain per token (a second chain for the odd weights measured no faster)
+                    iaccs[j] = dot_i32_wide(builder, isa, iaccs[j], lo, bcast_i32(xe32, idx))
+                    iaccs[j] = dot_i32_wide(builder, isa, iaccs[j], hi, bcast_i32(xo32, idx))
+            g = builder.udiv(u, ir.Constant(I64, units_per_group)) if units_per_group > 1 else u
+            ws = load_vec(sa.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
+            wb = load_vec(ba.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
+            p0 = builder.add(builder.mul(u, tp), t0v)
+            new = []
+            for j in range(tokens):
+                p = builder.add(p0, ir.Constant(I64, j))
+                tsv = splat(builder, builder.load(builder.gep(ta.data, [p])), V16F)
+                smv = splat(builder, builder.load(builder.gep(ua.data, [p])), V16F)
+                acc = builder.call(fma, [builder.sitofp(iaccs[j], V16F), builder.fmul(ws, tsv), faccs[j]])
+                new.append(builder.call(fma, [wb, smv, acc]))
+            nxt = builder.add(u, ir.Constant(I64, 1))
+            u.add_incoming(nxt, builder.block)
+            for f, n in zip(faccs, new):
+                f.add_incoming(n, builder.block)
+            builder.cbranch(builder.icmp_unsigned("<", nxt, n_units), loop, done)
+            builder.position_at_end(done)
+            finals = [builder.phi(V16F) for _ in range(tokens)]
+            for j, final in enumerate(finals):
+                final.add_incoming(zero, entry)
+                final.add_incoming(new[j], loop)
+            for j, final in enumerate(finals):
+                dst = builder.gep(outa.data, [ir.Constant(I64, 16 * j)])
+                builder.store(final, builder.bitcast(dst, V16F.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, out), codegen
+
+    return q4_panel_tile
+
+
+# the (unit, group) pairs a prefill can meet: units of 8 .. 128 within groups of 32, 64, 128
+_TILES = {(u, g): make_panel_tile(ISA, u, g) for g in (32, 64, 128) for u in (8, 16, 32, 64, 128) if u <= g}
+_p8_32, _p16_32, _p32_32 = _TILES[8, 32], _TILES[16, 32], _TILES[32, 32]
+_p8_64, _p16_64, _p32_64, _p64_64 = _TILES[8, 64], _TILES[16, 64], _TILES[32, 64], _TILES[64, 64]
+_p8_128, _p16_128, _p32_128, _p64_128, _p128_128 = (_TILES[8, 128], _TILES[16, 128], _TILES[32, 128],
+                                                    _TILES[64, 128], _TILES[128, 128])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g32(unit, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 32:
+        _p32_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 16:
+        _p16_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    else:
+        _p8_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g64(unit, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 64:
+        _p64_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 32:
+        _p32_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 16:
+        _p16_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    else:
+        _p8_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g128(unit, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 128:
+        _p128_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 64:
+        _p64_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 32:
+        _p32_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    elif unit == 16:
+        _p16_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+    else:
+        _p8_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def q4_panel_tile(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
+    """out[j * 16 + i] = panel row i times token t0 + j (j < PANEL_TOKENS), biases included;
+    pan = (panel, pscale, pbias) of pack_panel, xq = (xe, xo, ts, tsum) of quantise_panel_tokens."""
+    if group_size == 32:
+        _tile_g32(unit, pan, xq, t0, out)
+    elif group_size == 64:
+        _tile_g64(unit, pan, xq, t0, out)
+    else:
+        _tile_g128(unit, pan, xq, t0, out)
+
+
+@njit(nogil=True, cache=True)
+def pack_panel(packed, scales, biases, r0, n, panel, pscale, pbias):  # pragma: no cover - jitted
+    """Rows r0 .. r0 + n - 1 (n <= 16) of a 4-bit weight into the panel: panel[s, i] = packed
+    bytes 4s .. 4s + 3 of row r0 + i (as one dword), pscale/pbias[g, i] its group g's scale and
+    bias as float32; rows n .. 15 zero (their results are zero and not read)."""
+    steps = panel.shape[0]
+    rows32 = packed.view(np.uint32)
+    for i in range(PANEL_ROWS):
+        if i < n:
+            r = r0 + i
+            for s in range(steps):
+                panel[s, i] = rows32[r, s]
+            for g in range(pscale.shape[0]):
+                pscale[g, i] = as_f32(scales[r, g])
+                pbias[g, i] = as_f32(biases[r, g])
+        else:
+            for s in range(steps):
+                panel[s, i] = 0
+            for g in range(pscale.shape[0]):
+                pscale[g, i] = 0.0
+                pbias[g, i] = 0.0
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cover - jitted
+    """xp [T, K] de-interleaved (even elements, then odd) -> xe/xo int8 [K/8, Tp, 4] (element
+    4s + c of the even / odd half of token t at [s, t, c]) quantised per ``block`` natural
+    elements (max|x| / 127, nearest), and per unit of ``unit`` natural elements and token the
+    block's scale ts and the unit's float sum tsum [K/unit, Tp]. Tokens T .. Tp - 1 untouched."""
+    T, K = xp.shape
+    half = K // 2
+    hb = block // 2
+    hu = unit // 2
+    for t in range(T):
+        for b in range(K // block):
+            m = np.float32(0.0)
+            for j in range(b * hb, (b + 1) * hb):
+                m = max(m, abs(xp[t, j]), abs(xp[t, half + j]))
+            s = m / np.float32(127.0)
+            inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+            for j in range(b * hb, (b + 1) * hb):
+                xe[j // 4, t, j % 4] = np.int8(np.int32(np.rint(xp[t, j] * inv)))
+                xo[j // 4, t, j % 4] = np.int8(np.int32(np.rint(xp[t, half + j] * inv)))
+            for u in range(b * block // unit, (b + 1) * block // unit):
+                ts[u, t] = s
+        for u in range(K // unit):
+            acc = np.float32(0.0)
+            for j in range(u * hu, (u + 1) * hu):
+                acc += xp[t, j] + xp[t, half + j]
+            tsum[u, t] = acc

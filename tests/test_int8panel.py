@@ -1,0 +1,153 @@
+"""cpu.numerics = fast, prefill: the panel microkernel (kernels/int8panel.py) against mx.dequantize
+then matmul and against a model of its integer sums, for every instruction variant this CPU can
+run; row counts that are not a multiple of 16, token counts that are not a multiple of the token
+block, groups of 32/64/128, float16 and float32 scales, activation blocks finer and coarser than
+the group."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from numba import njit  # noqa: E402
+
+from chatapp.kernels.int8dot import ISA, ISAS, detect_isa  # noqa: E402
+from chatapp.kernels.int8panel import (  # noqa: E402
+    PANEL_ROWS,
+    PANEL_TOKENS,
+    make_panel_tile,
+    pack_panel,
+    panel_unit,
+    q4_panel_tile,
+    quantise_panel_tokens,
+)
+
+
+def _runnable_isas() -> list[str]:
+    """The host's instruction and every weaker one (each CPU that has one has the next)."""
+    return list(ISAS[ISAS.index(detect_isa()):])
+
+
+_RUNNERS: dict = {}
+
+
+def _runner(isa: str, unit: int, gs: int):
+    """A jitted product of a whole weight with T tokens through the panel kernel of ``isa``:
+    panels of 16 rows, PANEL_TOKENS tokens a call, results of rows and tokens past the ends
+    dropped (as prefill_step does). The host ISA goes through q4_panel_tile's dispatch."""
+    key = (isa, unit, gs)
+    if key in _RUNNERS:
+        return _RUNNERS[key]
+    if isa == ISA:
+        @njit
+        def tile(pan, xq, t0, out):
+            q4_panel_tile(pan, xq, t0, gs, unit, out)
+    else:
+        k = make_panel_tile(isa, unit, gs)
+
+        @njit
+        def tile(pan, xq, t0, out):
+            k(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+
+    @njit
+    def run(packed, scales, biases, xq, T, got):
+        N, half_k = packed.shape
+        K = 2 * half_k
+        pan = (np.empty((K // 8, PANEL_ROWS), np.uint32), np.empty((K // gs, PANEL_ROWS), np.float32),
+               np.empty((K // gs, PANEL_ROWS), np.float32))
+        out = np.empty(PANEL_TOKENS * PANEL_ROWS, np.float32)
+        for r0 in range(0, N, PANEL_ROWS):
+            n = min(PANEL_ROWS, N - r0)
+            pack_panel(packed, scales, biases, r0, n, pan[0], pan[1], pan[2])
+            for t in range(0, T, PANEL_TOKENS):
+                tile(pan, xq, t, out)
+                for j in range(min(PANEL_TOKENS, T - t)):
+                    for i in range(n):
+                        got[t + j, r0 + i] = out[j * PANEL_ROWS + i]
+
+    _RUNNERS[key] = run
+    return run
+
+
+def _quantized(seed: int, n: int, k: int, gs: int, half: bool):
+    """An MLX-quantised 4-bit weight: (bytes, scales, biases as the kernels read them, dequantised)."""
+    w = mx.random.normal((n, k), key=mx.random.key(seed)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
+    deq = np.array(mx.dequantize(wq, s, b, group_size=gs, bits=4))
+    packed = np.array(wq).view(np.uint8).reshape(n, k // 2)
+    s, b = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
+    if half:  # the kernels read float16 bits: dequantise with the rounded scales
+        s, b = s.astype(np.float16).view(np.uint16), b.astype(np.float16).view(np.uint16)
+        deq = _dequant(packed, s, b, gs)
+    return packed, s, b, deq
+
+
+def _as_f32(a):
+    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
+
+
+def _dequant(packed, s, b, gs):
+    q = np.empty((packed.shape[0], packed.shape[1] * 2), np.float32)
+    q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
+    return q * np.repeat(_as_f32(s), gs, 1) + np.repeat(_as_f32(b), gs, 1)
+
+
+def _tokens(x, block, unit):
+    """quantise_panel_tokens of x [T, K] (natural order), tokens padded to PANEL_TOKENS."""
+    T, K = x.shape
+    xp = np.ascontiguousarray(np.concatenate([x[:, 0::2], x[:, 1::2]], 1))
+    Tp = -(-T // PANEL_TOKENS) * PANEL_TOKENS
+    xq = (np.zeros((K // 8, Tp, 4), np.int8), np.zeros((K // 8, Tp, 4), np.int8),
+          np.zeros((K // unit, Tp), np.float32), np.zeros((K // unit, Tp), np.float32))
+    quantise_panel_tokens(xp, block, unit, *xq)
+    return xq
+
+
+def _natural(xq, T, K, unit):
+    """(int8 values [T, K] in natural order, their scales [T, K]) from quantise_panel_tokens' layout."""
+    e = xq[0][:, :T].transpose(1, 0, 2).reshape(T, K // 2).astype(np.float32)
+    o = xq[1][:, :T].transpose(1, 0, 2).reshape(T, K // 2).astype(np.float32)
+    q = np.empty((T, K), np.float32)
+    q[:, 0::2], q[:, 1::2] = e, o
+    return q, np.repeat(xq[2][:, :T].T, unit, 1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), groups=st.integers(1, 4),
+       n=st.integers(1, 40), T=st.integers(1, 19), half=st.booleans(), block=st.sampled_from([8, 16, 32, 64, 128]),
+       spread=st.sampled_from([1.0, 30.0]))
+def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread):
+    """Every ISA this CPU runs: mx.dequantize(w) @ x within the int8 rounding's bound, and the
+    integer sums the kernel models (int8 x scale in the scaled part, the float x in the biases'
+    part) to float rounding."""
+    k = max(gs, block) * groups
+    unit = panel_unit(block, gs)
+    packed, s, b, deq = _quantized(seed, n, k, gs, half)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((T, k)) * rng.choice([0.01, 1.0, spread], (T, k))).astype(np.float32)
+    xq = _tokens(x, block, unit)
+    q, step = _natural(xq, T, k, unit)
+    assert np.all(np.abs(q * step - x) <= step / 2 * 1.001 + 1e-30)  # nearest, one scale per block
+    assert np.all(step.reshape(T, -1, block) == step.reshape(T, -1, block)[:, :, :1])
+    scaled = _dequant(packed, s, np.zeros_like(s), gs)
+    model = (q * step) @ scaled.T + x @ np.repeat(_as_f32(b), gs, 1).T
+    exact = x @ deq.T
+    bound = (step / 2) @ np.abs(scaled).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    for isa in _runnable_isas():
+        got = np.full((T, n), np.nan, np.float32)
+        _runner(isa, unit, gs)(packed, s, b, xq, T, got)
+        np.testing.assert_allclose(got, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
+        assert np.all(np.abs(got - exact) <= bound), isa
+
+
+def test_panel_rejects_a_unit_that_does_not_divide_the_group():
+    with pytest.raises(ValueError):
+        make_panel_tile(ISA, 64, 32)
+    with pytest.raises(ValueError):
+        make_panel_tile("sse9", 32, 32)
+    assert panel_unit(8, 64) == 8 and panel_unit(128, 32) == 32
