@@ -16,16 +16,12 @@ from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
 from chatapp.kernels import int8dot  # noqa: E402
-from chatapp.kernels.int8dot import ISAS, detect_isa, make_rows_i8, quantise_lanes  # noqa: E402
+from chatapp.kernels.int8dot import detect_isa, make_rows_i8, quantise_lanes  # noqa: E402
+from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: E402
 
 # int8 per block: each activation carries at most scale/2 = max|x|/254 of rounding, so against
 # the float product a row is off by ~1% of its magnitude at most; we allow 3% of the largest output
 REL_TOL = 3e-2
-
-
-def _runnable_isas() -> list[str]:
-    """The host's instruction and every weaker one (each CPU that has one has the next)."""
-    return list(ISAS[ISAS.index(detect_isa()):])
 
 
 _KERNELS: dict = {}
@@ -45,29 +41,6 @@ def _kernel(isa: str, gs: int):
     return _KERNELS[key]
 
 
-def _quantized(seed: int, n: int, k: int, gs: int, half: bool):
-    """An MLX-quantised 4-bit weight: (bytes, scales, biases as the kernels read them, dequantised)."""
-    w = mx.random.normal((n, k), key=mx.random.key(seed)) * 0.05
-    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-    deq = np.array(mx.dequantize(wq, s, b, group_size=gs, bits=4))
-    packed = np.array(wq).view(np.uint8).reshape(n, k // 2)
-    s, b = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
-    if half:
-        s, b = s.astype(np.float16).view(np.uint16), b.astype(np.float16).view(np.uint16)
-        deq = None  # the kernels read float16 scales: dequantise with those
-    return packed, s, b, deq
-
-
-def _as_f32(a):
-    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
-
-
-def _dequant(packed, s, b, gs):
-    q = np.empty((packed.shape[0], packed.shape[1] * 2), np.float32)
-    q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
-    return q * np.repeat(_as_f32(s), gs, 1) + np.repeat(_as_f32(b), gs, 1)
-
-
 def _lanes(x, block):
     k = x.shape[0]
     xq = (np.empty(k // 2, np.int8), np.empty(k // 2, np.int8), np.empty(k // 8, np.float32),
@@ -84,21 +57,19 @@ def test_int8_rows_match_dequantize_then_matmul(seed, gs, chunks, half, block, s
     same integers the model of the kernel sums (xq * scale for x in the scaled part, the exact
     x in the biases' part) to float rounding; K % 128 = 64 (a half step) included."""
     k = 64 * chunks if gs != 128 else 128 * chunks
-    packed, s, b, deq = _quantized(seed, 4, k, gs, half)
-    if deq is None:
-        deq = _dequant(packed, s, b, gs)
+    packed, s, b, deq = quantized(seed, 4, k, gs, half)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(k) * rng.choice([0.01, 1.0, spread], k)).astype(np.float32)
     xq = _lanes(x, block)
     x8 = np.empty(k, np.float32)
     x8[0::2], x8[1::2] = xq[0], xq[1]
     x8 *= np.repeat(xq[2], 8)
-    scaled = _dequant(packed, s, np.zeros_like(s), gs)
-    model = scaled @ x8 + np.repeat(_as_f32(b), gs, 1) @ x
+    scaled = dequant(packed, s, np.zeros_like(s), gs)
+    model = scaled @ x8 + np.repeat(as_f32(b), gs, 1) @ x
     exact = deq @ x
     # each activation is off by at most half its block's step: the rounding's worst case
     bound = np.abs(scaled) @ (np.repeat(xq[2], 8) / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
-    for isa in _runnable_isas():
+    for isa in runnable_isas():
         out = np.empty(4, np.float32)
         _kernel(isa, gs)(packed, *xq, s, b, out)
         np.testing.assert_allclose(out, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
@@ -144,7 +115,7 @@ def test_isa_follows_the_cpu_features(features, isa):
 def test_no_features_falls_back_to_portable_code(monkeypatch):
     monkeypatch.setattr(int8dot, "cpu_features", lambda: {})
     assert detect_isa() == "generic"
-    packed, s, b, deq = _quantized(5, 4, 192, 64, False)
+    packed, s, b, deq = quantized(5, 4, 192, 64, False)
     x = np.random.default_rng(5).standard_normal(192).astype(np.float32)
     out = np.empty(4, np.float32)
     _kernel(detect_isa(), 64)(packed, *_lanes(x, 8), s, b, out)

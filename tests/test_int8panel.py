@@ -6,7 +6,6 @@ the group."""
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -16,7 +15,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
-from chatapp.kernels.int8dot import ISA, ISAS, detect_isa  # noqa: E402
+from chatapp.kernels.int8dot import ISA  # noqa: E402
 from chatapp.kernels.int8panel import (  # noqa: E402
     PANEL_ROWS,
     PANEL_TOKENS,
@@ -26,12 +25,7 @@ from chatapp.kernels.int8panel import (  # noqa: E402
     q4_panel_tile,
     quantise_panel_tokens,
 )
-
-
-def _runnable_isas() -> list[str]:
-    """The host's instruction and every weaker one (each CPU that has one has the next)."""
-    return list(ISAS[ISAS.index(detect_isa()):])
-
+from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: E402
 
 _RUNNERS: dict = {}
 
@@ -74,29 +68,6 @@ def _runner(isa: str, unit: int, gs: int):
     return run
 
 
-def _quantized(seed: int, n: int, k: int, gs: int, half: bool):
-    """An MLX-quantised 4-bit weight: (bytes, scales, biases as the kernels read them, dequantised)."""
-    w = mx.random.normal((n, k), key=mx.random.key(seed)) * 0.05
-    wq, s, b = mx.quantize(w, group_size=gs, bits=4)
-    deq = np.array(mx.dequantize(wq, s, b, group_size=gs, bits=4))
-    packed = np.array(wq).view(np.uint8).reshape(n, k // 2)
-    s, b = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
-    if half:  # the kernels read float16 bits: dequantise with the rounded scales
-        s, b = s.astype(np.float16).view(np.uint16), b.astype(np.float16).view(np.uint16)
-        deq = _dequant(packed, s, b, gs)
-    return packed, s, b, deq
-
-
-def _as_f32(a):
-    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
-
-
-def _dequant(packed, s, b, gs):
-    q = np.empty((packed.shape[0], packed.shape[1] * 2), np.float32)
-    q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
-    return q * np.repeat(_as_f32(s), gs, 1) + np.repeat(_as_f32(b), gs, 1)
-
-
 def _tokens(x, block, unit):
     """quantise_panel_tokens of x [T, K] (natural order), tokens padded to PANEL_TOKENS."""
     T, K = x.shape
@@ -127,18 +98,18 @@ def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, bloc
     part) to float rounding."""
     k = max(gs, block) * groups
     unit = panel_unit(block, gs)
-    packed, s, b, deq = _quantized(seed, n, k, gs, half)
+    packed, s, b, deq = quantized(seed, n, k, gs, half)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((T, k)) * rng.choice([0.01, 1.0, spread], (T, k))).astype(np.float32)
     xq = _tokens(x, block, unit)
     q, step = _natural(xq, T, k, unit)
     assert np.all(np.abs(q * step - x) <= step / 2 * 1.001 + 1e-30)  # nearest, one scale per block
     assert np.all(step.reshape(T, -1, block) == step.reshape(T, -1, block)[:, :, :1])
-    scaled = _dequant(packed, s, np.zeros_like(s), gs)
-    model = (q * step) @ scaled.T + x @ np.repeat(_as_f32(b), gs, 1).T
+    scaled = dequant(packed, s, np.zeros_like(s), gs)
+    model = (q * step) @ scaled.T + x @ np.repeat(as_f32(b), gs, 1).T
     exact = x @ deq.T
     bound = (step / 2) @ np.abs(scaled).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
-    for isa in _runnable_isas():
+    for isa in runnable_isas():
         got = np.full((T, n), np.nan, np.float32)
         _runner(isa, unit, gs)(packed, s, b, xq, T, got)
         np.testing.assert_allclose(got, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
