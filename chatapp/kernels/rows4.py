@@ -14,9 +14,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import I64, V16B, V16F, declare_fma, hsum, is_c_array, scale_loader, splat, vload
+from .llvm import I8
+from .simd import I64, V16B, V16F, declare, declare_fma, hsum, is_c_array, scale_loader, splat, vload
 
 ROWS = 4
+I32 = ir.IntType(32)
 
 
 @intrinsic
@@ -42,6 +44,9 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
         fifteen, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
         fma = declare_fma(builder)
+        prefetch = declare(builder.module, "llvm.prefetch.p0i8",
+                           ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
+        next_rows = builder.mul(row_bytes, ir.Constant(I64, ROWS))
         wrows, scalers = [], []
         for i in range(ROWS):
             r = builder.add(r0v, ir.Constant(I64, i))
@@ -67,6 +72,10 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         new_accs = []
         for i in range(ROWS):
             parts = []
+            # the next call's row i (ROWS rows on), at the offset read now: the hardware prefetchers
+            # follow short rows badly, and a core's misses in flight are what bound decode
+            ahead = builder.gep(wrows[i], [builder.add(base, next_rows)])
+            builder.call(prefetch, [ahead, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
             for h in range(2):
                 b = vload(builder, wrows[i], offs[h], V16B)
                 lo = builder.uitofp(builder.and_(b, fifteen), V16F)
