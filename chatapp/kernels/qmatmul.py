@@ -35,7 +35,7 @@ from numba import njit
 
 from .llvm import as_f32, byte_to_f32, hi_nibble, lo_nibble
 from .pool import chunk_done, chunks, claim, pool
-from .rows4 import ROWS, q4_rows4_dot
+from .rows4 import ROWS, q4_rows4_dot, q8_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 GROUP_SIZES = (32, 64, 128)
@@ -188,11 +188,14 @@ def _matmul(ctl, chunk, wb, scales, biases, xa, xb, xsum, out, group_size, bits)
             break
         r = c * chunk
         end = min(N, (c + 1) * chunk)
-        if bits == 4 and xa.shape[0] == 1:
+        if xa.shape[0] == 1:
             # one token (the decode's output head): four rows per call share the activation loads
-            # and prefetch the next four (rows4.py); the same sums as q4_row_dot's, bit for bit
+            # and prefetch the next four (rows4.py); the same sums as the row kernels', bit for bit
             while r + ROWS <= end:
-                q4_rows4_dot(wb, r, xa[0], xb[0], scales, group_size, tmp)
+                if bits == 4:
+                    q4_rows4_dot(wb, r, xa[0], xb[0], scales, group_size, tmp)
+                else:
+                    q8_rows4_dot(wb, r, xa[0], scales, group_size, tmp)
                 for i in range(ROWS):
                     out[0, r + i] = tmp[i] + _bias_term(biases, xsum, r + i, 0)
                 r += ROWS
