@@ -55,6 +55,8 @@ def test_products_match_dequantize_then_matmul(case):
     x = np.random.default_rng(seed).standard_normal((tokens, k)).astype(np.float32)
     ref = x @ w.T
     assert rel_err(Q.matmul(pw, x), ref) < 2e-5
+    # one token takes the four-row route (rows4.py), several the row route: the same sums
+    np.testing.assert_array_equal(Q.matmul(pw, x[:1]), Q.matmul(pw, np.repeat(x[:1], 2, axis=0))[:1])
     assert rel_err(Q.matmul_dequantized(pw, x, Q.Scratch()), ref) < 2e-5
     np.testing.assert_allclose(Q.dequantize(pw), w, rtol=0, atol=1e-5 * float(np.abs(w).max()))
 

@@ -35,6 +35,7 @@ from numba import njit
 
 from .llvm import as_f32, byte_to_f32, hi_nibble, lo_nibble
 from .pool import chunk_done, chunks, claim, pool
+from .rows4 import ROWS, q4_rows4_dot, q8_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 GROUP_SIZES = (32, 64, 128)
@@ -180,11 +181,25 @@ def _matmul(ctl, chunk, wb, scales, biases, xa, xb, xsum, out, group_size, bits)
     """out[t, r] = W[r] . x[t]: 4 bits with xa/xb the even/odd activations, 8 bits with xa = x."""
     N = wb.shape[0]
     n_chunks = (N + chunk - 1) // chunk
+    tmp = np.empty(ROWS, np.float32)
     while True:
         c = claim(ctl, n_chunks)
         if c < 0:
             break
-        for r in range(c * chunk, min(N, (c + 1) * chunk)):
+        r = c * chunk
+        end = min(N, (c + 1) * chunk)
+        if xa.shape[0] == 1:
+            # one token (the decode's output head): four rows per call share the activation loads
+            # and prefetch the next four (rows4.py); the same sums as the row kernels', bit for bit
+            while r + ROWS <= end:
+                if bits == 4:
+                    q4_rows4_dot(wb, r, xa[0], xb[0], scales, group_size, tmp)
+                else:
+                    q8_rows4_dot(wb, r, xa[0], scales, group_size, tmp)
+                for i in range(ROWS):
+                    out[0, r + i] = tmp[i] + _bias_term(biases, xsum, r + i, 0)
+                r += ROWS
+        for r in range(r, end):
             for t in range(xa.shape[0]):
                 if bits == 4:
                     dot = q4_row_dot(wb[r], xa[t], xb[t], scales[r], group_size)
