@@ -228,8 +228,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
-    PREFILL_ACT_BLOCK); with int8panel.PREFILL_DOWN_WIDE (and not FAST_DOWN) down_proj's on
-    16-bit ones (two int8 planes, the same blocks)."""
+    PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
+    ones (two int8 planes, the same blocks)."""
     T, dim = x.shape
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
     # down_proj on 16-bit activations (two int8 planes) unless FAST_DOWN puts it on int8
@@ -360,7 +360,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
     takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
-    ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK)."""
+    ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
+    (FusedDecoder.prefill_mask)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
