@@ -86,13 +86,17 @@ def test_greedy_after_a_fused_prefill_equals_mlx():
 
 def test_fast_numerics_keeps_down_proj_and_the_last_layer_exact_and_a_cleared_mask_is_exact():
     from chatapp.kernels.decode_step import FAST_ALL, FAST_DOWN
+    from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
     exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
     apply_fast_path(exact, backend="cpu", warm_up=False)
     plan = apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
     dec = fast._chatapp_fused
     assert list(dec.fast_mask) == [FAST_ALL & ~FAST_DOWN] * (len(dec.layers) - 1) + [0]
-    assert "down_proj and the last layer exact" in plan.fused_decode
+    # the prefill's down_proj on 16 bits in the same layers; decode never reads that bit
+    assert list(dec.prefill_mask) == [FAST_ALL & ~FAST_DOWN | PREFILL_DOWN_WIDE] * (len(dec.layers) - 1) + [0]
+    assert PREFILL_DOWN_WIDE & FAST_ALL == 0 and PREFILL_DOWN_WIDE < 1 << 8
+    assert "16-bit activations in prefill, exact in decode; the last layer exact" in plan.fused_decode
 
     def step_logits(m):
         caches = make_caches(m, CacheSettings())
@@ -129,3 +133,33 @@ def test_fast_prefill_stays_close_to_the_exact_one(group_size, cached, tokens, s
             assert np.abs(p - q).max() <= 5e-2 * np.abs(q).max()
     fast._chatapp_fused.set_fast(False)
     assert np.array_equal(_prefill(fast, ids[:cached], ids[cached:])[0], a)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group_size=st.sampled_from([32, 64]), cached=st.integers(0, 20), tokens=st.integers(2, 23),
+       seed=st.integers(0, 3), prefill_block=st.sampled_from([0, 8, 64]))
+def test_the_prefills_16_bit_down_proj_stays_far_closer_to_exact_than_int8(group_size, cached, tokens, seed,
+                                                                         prefill_block):
+    """numerics fast with every other product exact: the prefill's down_proj on 16-bit activations
+    (two int8 planes) changes the last logits and the cached K/V (layer 1's, from layer 0's down)
+    by a fraction of what int8 ones change them, and is not the float route."""
+    ref = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
+    apply_fast_path(ref, backend="cpu", warm_up=False)
+    fast = _model(4, group_size, tied=False, seed=seed, shape=SMALL)
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    dec = fast._chatapp_fused
+    ids = [int(t) for t in mx.random.randint(0, 256, (cached + tokens,), key=mx.random.key(seed))]
+    a, ca = _prefill(ref, ids[:cached], ids[cached:])
+    got = {}
+    for down in ("wide", "int8"):
+        dec.set_fast(True, last_exact=False, prefill_block=prefill_block, prefill_down=down)
+        dec.prefill_mask &= ~7  # q/k/v, o, gate/up exact: only down_proj's activations differ
+        dec.fast_mask[:] = 0  # and a one-token history goes through the (exact) decode step
+        got[down] = _prefill(fast, ids[:cached], ids[cached:])
+    err = {}
+    for down, (b, cb) in got.items():
+        k1 = np.array(cb[1].full.view()[0])
+        err[down] = (np.abs(b - a).max() / np.abs(a).max(), np.abs(k1 - np.array(ca[1].full.view()[0])).max())
+    assert not np.array_equal(got["wide"][0], a)
+    assert err["wide"][0] <= 2e-3 and err["wide"][0] * 8 <= err["int8"][0]
+    assert err["wide"][1] * 8 <= err["int8"][1]

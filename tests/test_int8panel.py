@@ -2,7 +2,7 @@
 then matmul and against a model of its integer sums, for every instruction variant this CPU can
 run; row counts that are not a multiple of 16, token counts that are not a multiple of the token
 block, groups of 32/64/128, float16 and float32 scales, activation blocks finer and coarser than
-the group."""
+the group, int8 (one plane) and 16-bit (two planes) activations."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from chatapp.kernels.int8panel import (  # noqa: E402
     PANEL_TOKENS,
     make_panel_tile,
     pack_panel,
+    panel_token_rows,
     panel_unit,
     q4_panel_tile,
     quantise_panel_tokens,
@@ -30,11 +31,11 @@ from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: 
 _RUNNERS: dict = {}
 
 
-def _runner(isa: str, unit: int, gs: int):
+def _runner(isa: str, unit: int, gs: int, planes: int):
     """A jitted product of a whole weight with T tokens through the panel kernel of ``isa``:
     panels of 16 rows, PANEL_TOKENS tokens a call, results of rows and tokens past the ends
     dropped (as prefill_step does). The host ISA goes through q4_panel_tile's dispatch."""
-    key = (isa, unit, gs)
+    key = (isa, unit, gs, planes)
     if key in _RUNNERS:
         return _RUNNERS[key]
     if isa == ISA:
@@ -42,7 +43,7 @@ def _runner(isa: str, unit: int, gs: int):
         def tile(pan, xq, t0, out):
             q4_panel_tile(pan, xq, t0, gs, unit, out)
     else:
-        k = make_panel_tile(isa, unit, gs)
+        k = make_panel_tile(isa, unit, gs, planes=planes)
 
         @njit
         def tile(pan, xq, t0, out):
@@ -68,52 +69,78 @@ def _runner(isa: str, unit: int, gs: int):
     return run
 
 
-def _tokens(x, block, unit):
-    """quantise_panel_tokens of x [T, K] (natural order), tokens padded to PANEL_TOKENS."""
+def _tokens(x, block, unit, planes):
+    """quantise_panel_tokens of x [T, K] (natural order), tokens padded to panel_token_rows."""
     T, K = x.shape
     xp = np.ascontiguousarray(np.concatenate([x[:, 0::2], x[:, 1::2]], 1))
-    Tp = -(-T // PANEL_TOKENS) * PANEL_TOKENS
-    xq = (np.zeros((K // 8, Tp, 4), np.int8), np.zeros((K // 8, Tp, 4), np.int8),
+    Tp = panel_token_rows(T)
+    assert Tp >= T and Tp % PANEL_TOKENS == 0 and Tp % 32
+    xq = (np.zeros((K // 8, Tp, 4 * planes), np.int8), np.zeros((K // 8, Tp, 4 * planes), np.int8),
           np.zeros((K // unit, Tp), np.float32), np.zeros((K // unit, Tp), np.float32))
     quantise_panel_tokens(xp, block, unit, *xq)
     return xq
 
 
 def _natural(xq, T, K, unit):
-    """(int8 values [T, K] in natural order, their scales [T, K]) from quantise_panel_tokens' layout."""
-    e = xq[0][:, :T].transpose(1, 0, 2).reshape(T, K // 2).astype(np.float32)
-    o = xq[1][:, :T].transpose(1, 0, 2).reshape(T, K // 2).astype(np.float32)
-    q = np.empty((T, K), np.float32)
+    """(integer values [T, K] in natural order, hi * 256 + lo with two planes, and their scales
+    [T, K]) from quantise_panel_tokens' layout."""
+    planes = xq[0].shape[2] // 4
+
+    def plane(a, p):
+        return a[:, :T, 4 * p:4 * p + 4].transpose(1, 0, 2).reshape(T, K // 2).astype(np.float64)
+
+    e = sum(plane(xq[0], p) * 256.0 ** (planes - 1 - p) for p in range(planes))
+    o = sum(plane(xq[1], p) * 256.0 ** (planes - 1 - p) for p in range(planes))
+    q = np.empty((T, K), np.float64)
     q[:, 0::2], q[:, 1::2] = e, o
-    return q, np.repeat(xq[2][:, :T].T, unit, 1)
+    return q, np.repeat(xq[2][:, :T].T, unit, 1).astype(np.float64)
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), groups=st.integers(1, 4),
        n=st.integers(1, 40), T=st.integers(1, 19), half=st.booleans(), block=st.sampled_from([8, 16, 32, 64, 128]),
-       spread=st.sampled_from([1.0, 30.0]))
-def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread):
-    """Every ISA this CPU runs: mx.dequantize(w) @ x within the int8 rounding's bound, and the
-    integer sums the kernel models (int8 x scale in the scaled part, the float x in the biases'
-    part) to float rounding."""
+       spread=st.sampled_from([1.0, 30.0]), planes=st.sampled_from([1, 2]))
+def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread, planes):
+    """Every ISA this CPU runs: mx.dequantize(w) @ x within the int8 (or 16-bit) rounding's
+    bound, and the integer sums the kernel models (the quantised x times its scale in the scaled
+    part, the float x in the biases' part) to float rounding."""
     k = max(gs, block) * groups
     unit = panel_unit(block, gs)
     packed, s, b, deq = quantized(seed, n, k, gs, half)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((T, k)) * rng.choice([0.01, 1.0, spread], (T, k))).astype(np.float32)
-    xq = _tokens(x, block, unit)
+    xq = _tokens(x, block, unit, planes)
     q, step = _natural(xq, T, k, unit)
-    assert np.all(np.abs(q * step - x) <= step / 2 * 1.001 + 1e-30)  # nearest, one scale per block
+    # nearest, one scale per block: max|x| / 127 (/ 256 on two planes, each plane int8); x / scale
+    # is a float32 product (x * 127 / max|x|), a few ulps off, which on two planes is 1e-3 of a step
+    assert np.all(np.abs(q * step - x) <= step / 2 * 1.001 + np.abs(x) * 2.0**-20 + 1e-30)
+    assert np.all(np.abs(q) <= 127 * 256 ** (planes - 1) + 127 * (planes - 1))
     assert np.all(step.reshape(T, -1, block) == step.reshape(T, -1, block)[:, :, :1])
-    scaled = dequant(packed, s, np.zeros_like(s), gs)
+    scaled = dequant(packed, s, np.zeros_like(s), gs).astype(np.float64)
     model = (q * step) @ scaled.T + x @ np.repeat(as_f32(b), gs, 1).T
     exact = x @ deq.T
     bound = (step / 2) @ np.abs(scaled).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     for isa in runnable_isas():
         got = np.full((T, n), np.nan, np.float32)
-        _runner(isa, unit, gs)(packed, s, b, xq, T, got)
+        _runner(isa, unit, gs, planes)(packed, s, b, xq, T, got)
         np.testing.assert_allclose(got, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
         assert np.all(np.abs(got - exact) <= bound), isa
+
+
+def test_two_planes_are_about_256_times_finer():
+    """The 16-bit activations' rounding against the int8 ones' on the same heavy-tailed input
+    (silu(gate) x up-like: a few large values per block): the product error falls ~256x."""
+    rng = np.random.default_rng(0)
+    T, k, gs = 9, 512, 32
+    packed, s, b, deq = quantized(1, 24, k, gs, False)
+    x = (rng.standard_normal((T, k)) * rng.choice([0.05, 1.0, 40.0], (T, k), p=[0.7, 0.28, 0.02])).astype(np.float32)
+    exact = x.astype(np.float64) @ deq.T
+    err = {}
+    for planes in (1, 2):
+        got = np.full((T, 24), np.nan, np.float32)
+        _runner(ISA, 32, gs, planes)(packed, s, b, _tokens(x, 32, 32, planes), T, got)
+        err[planes] = np.abs(got - exact).max()
+    assert err[2] * 50 < err[1]
 
 
 def test_panel_rejects_a_unit_that_does_not_divide_the_group():
@@ -121,4 +148,6 @@ def test_panel_rejects_a_unit_that_does_not_divide_the_group():
         make_panel_tile(ISA, 64, 32)
     with pytest.raises(ValueError):
         make_panel_tile("sse9", 32, 32)
+    with pytest.raises(ValueError):
+        make_panel_tile(ISA, 32, 32, planes=3)
     assert panel_unit(8, 64) == 8 and panel_unit(128, 32) == 32

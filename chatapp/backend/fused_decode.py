@@ -192,7 +192,7 @@ class FusedDecoder:
         self._write_kv = np.zeros(n, np.int64)
 
     def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True,
-                 prefill_block: int = 0) -> None:
+                 prefill_block: int = 0, prefill_down: str = "wide") -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
         SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
@@ -202,9 +202,15 @@ class FusedDecoder:
         blocks of 8 on 3,072-token texts, perplexity +0.82% / +0.18% with it on int8, +0.40% / -0.02%
         with it exact, at the same decode speed (BENCHMARKS.md). ``prefill_block``: the elements
         per int8 scale of the prefill's products (kernels/int8panel.py; 0: its PREFILL_ACT_BLOCK),
-        which may be coarser than the decode's: the panel kernel scales once per block (or group)."""
+        which may be coarser than the decode's: the panel kernel scales once per block (or group).
+        ``prefill_down``: where ``down_exact`` keeps down_proj exact in decode, the prefill's down_proj
+        on ``wide`` 16-bit activations (``prefill_mask`` gets prefill_step's PREFILL_DOWN_WIDE), on
+        ``int8`` ones or ``exact`` (SmolLM2 after a 1,024-token chunk, each: BENCHMARKS.md)."""
         from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN
+        from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
+        if prefill_down not in ("wide", "int8", "exact"):
+            raise ValueError(f"prefill_down must be wide, int8 or exact, not {prefill_down!r}")
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
@@ -217,6 +223,9 @@ class FusedDecoder:
         self.fast_mask = np.full(n, (products | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
+        # the prefill's mask: the same products, and in the layers with int8 ones down_proj as asked
+        down = {"wide": PREFILL_DOWN_WIDE, "int8": FAST_DOWN, "exact": 0}[prefill_down] if down_exact else 0
+        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask | down, 0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -310,7 +319,8 @@ class FusedDecoder:
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
         chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32; with
-        numerics fast the products of fast_mask on int8 activations, kernels/int8panel.py)."""
+        numerics fast the products of prefill_mask on int8 activations, down_proj's on 16-bit
+        ones, kernels/int8panel.py)."""
         from chatapp.kernels.pool import pool
         from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
 
@@ -334,7 +344,7 @@ class FusedDecoder:
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
-                         self.fast_mask, self.prefill_block)
+                         self.prefill_mask, self.prefill_block)
         del k_out, v_out
         k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
@@ -405,7 +415,7 @@ def numerics_line(numerics: str) -> str:
 
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
             f"{ISA_NAMES[ISA]}; "
-            "down_proj and the last layer exact)")
+            "down_proj on 16-bit activations in prefill, exact in decode; the last layer exact)")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:

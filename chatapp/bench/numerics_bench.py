@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-blocks", default="",
                    help="more fast prefill rows, e.g. '8,64': elements per int8 activation scale in the "
                    "prefill's products (kernels/int8panel.py; default: none, only its PREFILL_ACT_BLOCK)")
+    p.add_argument("--prefill-down", default="",
+                   help="more fast prefill rows, e.g. 'exact,int8': the prefill's down_proj exact or on int8 "
+                   "activations instead of 16-bit ones (default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
@@ -150,11 +153,17 @@ def run(args) -> int:
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
     pre = {}
     blocks = [int(b) for b in args.prefill_blocks.split(",") if b.strip()]
+    downs = [d.strip() for d in args.prefill_down.split(",") if d.strip()]
+    if any(d not in ("exact", "int8", "wide") for d in downs):
+        raise SystemExit(f"--prefill-down: {args.prefill_down!r} is not a list of exact|int8|wide")
     if 0 < args.prefill < len(ids) - 1:
         pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
         for b in blocks:
             dec.set_fast(True, prefill_block=b)
             pre[f"fast, block {b}"] = _prefilled(models["fast"], ids, args.prefill)
+        for d in downs:
+            dec.set_fast(True, prefill_down=d)
+            pre[f"fast, down {d}"] = _prefilled(models["fast"], ids, args.prefill)
         dec.set_fast(True)
     rates: dict[str, list[float]] = {"exact": [], "fast": []}
     for r in range(max(1, args.repeats)):
@@ -176,13 +185,13 @@ def run(args) -> int:
         agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
         rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
         ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
-        for b in blocks:
-            lg = pre[f"fast, block {b}"]
+        for key in [f"block {b}" for b in blocks] + [f"down {d}" for d in downs]:
+            lg = pre[f"fast, {key}"]
             p_b = _ppl(lg, tail)
             d = max(float(np.abs(a - e).max() / np.abs(e).max()) for a, e in zip(lg, pre["exact"]))
             agree_b = sum(int(a.argmax() == e.argmax()) for a, e in zip(lg, pre["exact"])) / len(pre["exact"])
-            rep.add(f"fast, prefill {args.prefill}, block {b}", p_b, p_b / p_ex, d, agree_b, "", "")
-            ppl[f"fast, prefill {args.prefill}, block {b}"] = p_b
+            rep.add(f"fast, prefill {args.prefill}, {key}", p_b, p_b / p_ex, d, agree_b, "", "")
+            ppl[f"fast, prefill {args.prefill}, {key}"] = p_b
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")
     rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)

@@ -34,12 +34,18 @@ from .int8panel import (
     PANEL_TOKENS,
     PREFILL_ACT_BLOCK,
     pack_panel,
+    panel_token_rows,
     panel_unit,
     q4_panel_tile,
     quantise_panel_tokens,
 )
 from .llvm import as_f32
 
+# a bit of the prefill's ``fast`` beside decode_step's FAST_* (which decode_step does not read):
+# down_proj on 16-bit activations, two int8 planes (int8panel). On int8, its input silu(gate) x up,
+# the widest-ranged, cost SmolLM2 +0.56-0.62% perplexity; on 16 bits ~1/256 of that rounding, at
+# ~0.55x the int8 kernel's speed and ~2.3x the float tile's (BENCHMARKS.md)
+PREFILL_DOWN_WIDE = 16
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
 TOKEN_BLOCK = 16  # query tokens per attention claim
 
@@ -149,14 +155,14 @@ def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _quantised(xp, fast, block, unit):  # pragma: no cover - jitted
-    """The int8 activations of xp [T, K] for the panel kernel (quantise_panel_tokens), tokens
-    padded with zeros to a multiple of PANEL_TOKENS; tiny arrays when not ``fast`` (nothing
-    reads them)."""
+def _quantised(xp, fast, block, unit, planes=1):  # pragma: no cover - jitted
+    """The int8 (``planes`` 1) or 16-bit (2) activations of xp [T, K] for the panel kernel
+    (quantise_panel_tokens), tokens padded with zeros to panel_token_rows(T); tiny arrays when
+    not ``fast`` (nothing reads them)."""
     T, K = xp.shape
-    Tp = (T + PANEL_TOKENS - 1) // PANEL_TOKENS * PANEL_TOKENS if fast else 1
+    Tp = panel_token_rows(T) if fast else 1
     Kq = K if fast else unit
-    xq = (np.zeros((Kq // 8, Tp, 4), np.int8), np.zeros((Kq // 8, Tp, 4), np.int8),
+    xq = (np.zeros((Kq // 8, Tp, 4 * planes), np.int8), np.zeros((Kq // 8, Tp, 4 * planes), np.int8),
           np.zeros((Kq // unit, Tp), np.float32), np.zeros((Kq // unit, Tp), np.float32))
     if fast:
         quantise_panel_tokens(xp, block, unit, xq[0], xq[1], xq[2], xq[3])
@@ -222,9 +228,13 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
-    PREFILL_ACT_BLOCK)."""
+    PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
+    ones (two int8 planes, the same blocks)."""
     T, dim = x.shape
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
+    # down_proj on 16-bit activations (two int8 planes) unless FAST_DOWN puts it on int8
+    down_planes = 2 if (fast & PREFILL_DOWN_WIDE) != 0 and not f_down else 1
+    f_down = f_down or down_planes == 2
     act_blk = act_block if act_block else PREFILL_ACT_BLOCK
     unit = panel_unit(act_blk, group_size)
     D = cos.shape[1] * 2
@@ -335,7 +345,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # 5. x += down(act)
     _permuted(act, no_norm, eps, xp_h)
     _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down,
-                   _quantised(xp_h, f_down, act_blk, unit), unit)
+                   _quantised(xp_h, f_down, act_blk, unit, down_planes), unit)
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
@@ -350,7 +360,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
     takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
-    ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK)."""
+    ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
+    (FusedDecoder.prefill_mask)."""
     for layer in range(bits.shape[0]):
         k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
         v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
