@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-blocks", default="",
                    help="more fast prefill rows, e.g. '8,64': elements per int8 activation scale in the "
                    "prefill's products (kernels/int8panel.py; default: none, only its PREFILL_ACT_BLOCK)")
+    p.add_argument("--kv-dtype-rows", default="",
+                   help="more exact rows with the fused routes' K/V in these dtypes, e.g. 'float32' "
+                   "(the models run cpu.kv_dtype auto: float16 where the CPU has F16C; default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
@@ -138,13 +141,21 @@ def run(args) -> int:
         models[numerics] = model
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_decode import fused_decoder, resolve_kv_dtype
 
     dec = fused_decoder(models["fast"])
     for name, block, last_exact in variants:
         dec.set_fast(True, block, last_exact, down_exact=last_exact)
         logits[name] = _teacher_forced(models["fast"], ids)
     dec.set_fast(True)
+    kv_rows = [d.strip() for d in args.kv_dtype_rows.split(",") if d.strip()]
+    dec_exact = fused_decoder(models["exact"])
+    kv_default = dec_exact.kv_dtype
+    for kv in kv_rows:  # caches made afresh take the decoder's K/V dtype (FusedDecoder.adopt)
+        dec_exact.kv_dtype = resolve_kv_dtype(kv)
+        logits[f"exact, K/V {kv}"] = _teacher_forced(models["exact"], ids)
+    dec_exact.kv_dtype = kv_default
+    print(f"# K/V cache of the exact and fast rows: {kv_default}", flush=True)
     ex = logits["exact"]
     rel = {n: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(lg, ex)) for n, lg in logits.items()}
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
@@ -152,6 +163,10 @@ def run(args) -> int:
     blocks = [int(b) for b in args.prefill_blocks.split(",") if b.strip()]
     if 0 < args.prefill < len(ids) - 1:
         pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
+        for kv in kv_rows:
+            dec_exact.kv_dtype = resolve_kv_dtype(kv)
+            pre[f"exact, K/V {kv}"] = _prefilled(models["exact"], ids, args.prefill)
+        dec_exact.kv_dtype = kv_default
         for b in blocks:
             dec.set_fast(True, prefill_block=b)
             pre[f"fast, block {b}"] = _prefilled(models["fast"], ids, args.prefill)
@@ -176,6 +191,13 @@ def run(args) -> int:
         agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
         rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
         ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
+        for kv in kv_rows:
+            lg = pre[f"exact, K/V {kv}"]
+            p_k = _ppl(lg, tail)
+            d = max(float(np.abs(a - e).max() / np.abs(e).max()) for a, e in zip(lg, pre["exact"]))
+            agree_k = sum(int(a.argmax() == e.argmax()) for a, e in zip(lg, pre["exact"])) / len(pre["exact"])
+            rep.add(f"exact, K/V {kv}, prefill {args.prefill}", p_k, p_k / p_ex, d, agree_k, "", "")
+            ppl[f"exact, K/V {kv}, prefill {args.prefill}"] = p_k
         for b in blocks:
             lg = pre[f"fast, block {b}"]
             p_b = _ppl(lg, tail)
