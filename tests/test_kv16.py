@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
-from cache import (CacheSettings, convert_caches, install_attention, make_caches,  # noqa: E402
-                   set_decode_kernels, set_prefill_kernel)
+from cache import CacheSettings, convert_caches, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
 from cache.buffers import FullBuffer  # noqa: E402
 from cache.factory import restore_caches  # noqa: E402
 from chatapp.backend import fused_decode  # noqa: E402
@@ -225,8 +224,8 @@ def test_converting_a_float16_cache_to_other_modes_attends_as_float32_would(mode
     """Conversion carries the float16 rows into modes the fused route does not take; MLX's
     attention (and the decode kernels) over them give the float32 cache's logits."""
     prompt = [int(t) for t in mx.random.randint(0, 256, (300,), key=mx.random.key(5))]
-    settings = CacheSettings(mode=mode, sinks=4, window=64, evict_chunk=32, max_kv_tokens=256, quant_start=64, kv_group_size=32,
-                             chunk_size=256)
+    settings = CacheSettings(mode=mode, sinks=4, window=64, evict_chunk=32, max_kv_tokens=256, quant_start=64,
+                             kv_group_size=32, chunk_size=256)
     outs = []
     for kv in ("float16", "float32"):
         m = _model(kv)

@@ -10,7 +10,10 @@ cache buffers in place (by address) and the caches count them (``wrote_in_place`
 where a view handed out of the buffers (a snapshot, the prefix store, ``state``) covers that row,
 which only happens after a ``trim``: that row goes through the cache's own ``update_and_fetch``
 (MLX's slice update, copy-on-write). So the cache, its state, trimming and the prefix store see
-exactly what the MLX step would have written, and no snapshot changes.
+exactly what the MLX step would have written, and no snapshot changes. The buffers are
+float16 where ``cpu.kv_dtype`` says so (auto: where the CPU has F16C): ``adopt`` gives empty
+caches that dtype before anything writes them, and the kernels read and write float16 bits
+(kernels/half.py); caches that already hold float32 rows are read as float32.
 
 ``install_fused_decode`` swaps the model's class for a subclass whose ``__call__`` takes this
 path for a single token over plain preallocated caches (``SegmentedKVCache`` with nothing

@@ -193,7 +193,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     q, k, v, o, gate, up, down. cos/sin [D/2] for the token's position. k_cache/v_cache: flat
     views of the cache's [kv_heads, capacity, D] buffers with their head strides (kernels'
     heads_view), n_cached rows held, float32 or float16 bits (uint16: read through as_f32 and
-    written through store_f32, vcvtph2ps/vcvtps2ph where the CPU has F16C, kernels/half.py). Outputs: k_out (the new keys, roped) and v_new
+    written through store_f32, vcvtph2ps/vcvtps2ph where the CPU has F16C, kernels/half.py).
+    Outputs: k_out (the new keys, roped) and v_new
     [kv_heads * D]; with ``write_kv`` they are also written into the cache buffers at row
     n_cached (the caller made room and checked that no view handed out covers that row), else
     the caller appends them. q, k_new (before RoPE) [heads * D], attn [heads * D] and act
@@ -333,7 +334,8 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
     kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
     capacity, D] float32 or float16, kv_size[l] elements, heads kv_stride[l] apart; ``kv_like``,
-    an empty float32 or uint16 array, says which: float16 bits are read and written as uint16); v_out/k_out [L, kv_heads*D]
+    an empty float32 or uint16 array, says which: float16 bits are read and written as uint16);
+    v_out/k_out [L, kv_heads*D]
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
     4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*).
     write_kv [L] (int64): per layer, whether the new K/V row goes into the cache buffers in

@@ -30,6 +30,7 @@ from numba import njit
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
 from .decode_step import LINE, apply_rope, phase_barrier, phase_claim, phase_done, silu_mul
+from .half import kv_buffer, store_f32
 from .int8panel import (
     PANEL_ROWS,
     PANEL_TOKENS,
@@ -39,7 +40,6 @@ from .int8panel import (
     q4_panel_tile,
     quantise_panel_tokens,
 )
-from .half import kv_buffer, store_f32
 from .llvm import as_f32
 
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
@@ -367,8 +367,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
-                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn, act,
-                      fast[layer], act_block)
+                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
+                      act, fast[layer], act_block)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
