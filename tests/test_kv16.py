@@ -287,3 +287,6 @@ def test_the_plan_and_show_config_name_the_kv_dtype():
     with pytest.raises(ValueError):
         apply_fast_path(_model(None), backend="cpu", warm_up=False, kv_dtype="half")
     assert fused_decode.KV_MX["float16"] == mx.float16
+    # what the prefix store's namespace names as the caches' dtype (store/prefixes.namespace_for)
+    assert fused_decode.cache_kv_dtype(m) == mx.float16 and fused_decode.cache_kv_dtype(_model(None)) is None
+    assert fused_decode.cache_kv_dtype(_model("float32")) == mx.float32

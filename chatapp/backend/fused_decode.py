@@ -500,6 +500,14 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         object.__delattr__(model, "_chatapp_fused")
 
 
+def cache_kv_dtype(model) -> mx.Dtype | None:
+    """The dtype of the K/V buffers the fused routes give ``model``'s prealloc caches (float16
+    under cpu.kv_dtype auto with F16C), or None when the model is not fused (its caches then
+    hold what the model computes)."""
+    dec = getattr(model, "_chatapp_fused", None)
+    return KV_MX[dec.kv_dtype] if dec is not None and is_fused(model) else None
+
+
 def fused_decoder(model) -> "FusedDecoder | None":
     """The model's FusedDecoder when the fused step is installed (benches adjust its numerics)."""
     return getattr(model, "_chatapp_fused", None)
