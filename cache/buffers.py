@@ -20,7 +20,8 @@ def _grown(buf: mx.array | None, needed: int, step: int, like: mx.array) -> mx.a
         return buf
     new_cap = ((needed + step - 1) // step) * step
     B, H, _, D = like.shape
-    extra = mx.zeros((B, H, new_cap - have, D), like.dtype)
+    # a buffer keeps its dtype (a float16 cache taking float32 rows stays float16)
+    extra = mx.zeros((B, H, new_cap - have, D), like.dtype if buf is None else buf.dtype)
     return extra if buf is None else mx.concatenate([buf, extra], axis=2)
 
 
@@ -50,10 +51,15 @@ class _TokenBuffer:
 
 
 class FullBuffer(_TokenBuffer):
-    """Contiguous full-precision K/V with chunked growth."""
+    """Contiguous full-precision K/V with chunked growth.
 
-    def __init__(self, step: int):
+    The buffers' dtype is ``dtype`` when set before the first write (the CPU fused routes set
+    float16: backend/fused_decode.py), else that of the first rows written; rows of another
+    dtype are cast to it on the way in (MLX's slice update), so every reader sees one dtype."""
+
+    def __init__(self, step: int, dtype: mx.Dtype | None = None):
         self.step = step
+        self.dtype = dtype
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.length = 0
@@ -75,6 +81,8 @@ class FullBuffer(_TokenBuffer):
     def append(self, keys: mx.array, values: mx.array) -> None:
         self.pinned = None  # before the write: a held host view would make MLX copy the buffer
         end = self.length + keys.shape[2]
+        if self.keys is None and self.dtype is not None:
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
         if end > self.capacity:
             self.keys = _grown(self.keys, end, self.step, keys)
             self.values = _grown(self.values, end, self.step, values)

@@ -72,6 +72,9 @@ CONFIG_FILE_NAME = "config.toml"
 # cpu.numerics: the fused decode and prefill steps' 4-bit products (backend/cpu.py validates against
 # this too); auto is fast where the CPU has a native int8 dot product, else exact (fused_decode.py)
 NUMERICS = ("auto", "exact", "fast")
+# cpu.kv_dtype: the K/V buffers the fused CPU routes make (backend/fused_decode.py validates against
+# this too); auto is float16 where the CPU converts half precision in vector instructions (F16C)
+KV_DTYPES = ("auto", "float16", "float32")
 DENSE_WEIGHT_MODES = ("auto", "on", "off")  # cpu.dense_weights (backend/cpu.py validates against these too)
 KERNEL_MODES = ("auto", "off")  # cpu.kernels
 # The prompt formats ("auto" plus prompt.formats.FORMAT_NAMES).
@@ -367,6 +370,7 @@ class CpuConfig:
     numpy_matvec: bool = _setting(True, _Bool())
     fused_decode: bool = _setting(True, _Bool())
     numerics: str = _setting("auto", _Choice(*NUMERICS))
+    kv_dtype: str = _setting("auto", _Choice(*KV_DTYPES))
 
 
 @dataclass

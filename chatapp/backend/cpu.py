@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 # The one list of each [cpu] choice lives in config (MLX-free, read by the CLI too).
-from chatapp.config import DENSE_WEIGHT_MODES, KERNEL_MODES, NUMERICS  # noqa: E402
+from chatapp.config import DENSE_WEIGHT_MODES, KERNEL_MODES, KV_DTYPES, NUMERICS  # noqa: E402
 
 from .params import activation_dtype
 from .qlinear import (
@@ -156,6 +156,7 @@ def accelerate_model(
     warm_up: bool = True,
     fused_decode: bool = True,
     numerics: str = "exact",
+    kv_dtype: str = "auto",
 ) -> CpuPlan:
     """Give a quantised model's products the CPU fast path; a no-op on other backends.
 
@@ -171,7 +172,9 @@ def accelerate_model(
     (fused_decode.py); every supported projection then takes the kernel route, since
     decode no longer pays a dispatch per small layer. numerics: "exact", "fast" (the fused
     step's 4-bit rows against int8-quantised activations, kernels/int8dot.py) or "auto" (fast
-    where the CPU has VNNI, fused_decode.resolve_numerics). dense_weights: "on" keeps a float32 copy
+    where the CPU has VNNI, fused_decode.resolve_numerics). kv_dtype: the K/V buffers the fused
+    routes make, "float16", "float32" or "auto" (float16 where the CPU has F16C,
+    fused_decode.resolve_kv_dtype). dense_weights: "on" keeps a float32 copy
     of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
@@ -191,6 +194,8 @@ def accelerate_model(
         raise ValueError("kernel_max_tokens must be >= 1")
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, not {numerics!r}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
     from chatapp.backend.blas import current_blas
 
     plan = CpuPlan(backend=backend, applied=False, reason="", dense_prefill_threshold=dense_prefill_threshold,
@@ -268,7 +273,7 @@ def accelerate_model(
     uninstall_fused_decode(model)
     if fuse is None and fused_decode and kernels_ok and dense_weights != "on":
         start = time.perf_counter()
-        plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics)
+        plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics, kv_dtype=kv_dtype)
         plan.warm_up_seconds += time.perf_counter() - start
     else:
         plan.fused_decode = f"fused decode: off ({fuse or _fused_off_reason(fused_decode, kernels_ok)})"

@@ -25,12 +25,21 @@ def _float32(a: mx.array) -> np.ndarray:
     return np.asarray(a if a.dtype == mx.float32 else a.astype(mx.float32))
 
 
+# the full-precision K/V dtypes the kernels read in place (float16 as its bits, kernels/half.py)
+_KV_DTYPES = (mx.float32, mx.float16)
+
+
 def _heads(a: mx.array, as_bytes: bool = False) -> tuple[np.ndarray, int]:
-    """A cache view [1, heads, n, width] as the kernels' flat buffer and head stride."""
+    """A cache view [1, heads, n, width] as the kernels' flat buffer and head stride (float16
+    K/V as uint16 bits)."""
     from chatapp.kernels.attention import heads_view
 
     x = np.asarray(a)[0]
-    return heads_view(x.view(np.uint8) if as_bytes else x)
+    if as_bytes:
+        x = x.view(np.uint8)
+    elif x.dtype == np.float16:
+        x = x.view(np.uint16)
+    return heads_view(x)
 
 
 def _scale_view(a: mx.array) -> tuple[np.ndarray, int]:
@@ -46,8 +55,8 @@ def decode_full(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
 
     if not _handles(queries, mask) or keys.shape[2] == 0 or queries.shape[1] % keys.shape[1]:
         return None
-    if keys.dtype != mx.float32 or values.dtype != mx.float32:
-        return None  # the kernel reads float32 buffers in place; anything else stays on MLX
+    if keys.dtype not in _KV_DTYPES or values.dtype != keys.dtype:
+        return None  # the kernel reads float32 / float16 buffers in place; anything else stays on MLX
     mx.eval(queries, keys, values)
     H, D = queries.shape[1], queries.shape[3]
     q = _float32(queries).reshape(H, D)
@@ -76,7 +85,7 @@ def decode_mixed(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale
     head = parts[0] if kinds[0] == "full" else None
     (_, qk, qv), (_, tk, tv) = parts[-2], parts[-1]
     full = ([head[1], head[2]] if head else []) + [tk, tv]
-    if any(a.dtype != mx.float32 for a in full):
+    if full[0].dtype not in _KV_DTYPES or any(a.dtype != full[0].dtype for a in full):
         return None
     B, H, _, D = queries.shape
     qq_mx = queries if quant_queries is None else quant_queries
@@ -89,7 +98,8 @@ def decode_mixed(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale
         (khf, khs), (vhf, vhs) = _heads(head[1]), _heads(head[2])
         n_head = head[1].shape[2]
     else:
-        (khf, khs), (vhf, vhs), n_head = (_EMPTY_F32, 0), (_EMPTY_F32, 0), 0
+        empty = _EMPTY_F32 if full[0].dtype == mx.float32 else _EMPTY_F32.view(np.uint16)
+        (khf, khs), (vhf, vhs), n_head = (empty, 0), (empty, 0), 0
     (ktf, kts), (vtf, vts) = _heads(tk), _heads(tv)
     quant = [_heads(qk[0], True), _scale_view(qk[1]), _scale_view(qk[2]),
              _heads(qv[0], True), _scale_view(qv[1]), _scale_view(qv[2])]
@@ -115,4 +125,4 @@ def install_decode_attention(enabled: bool) -> str:
         set_decode_kernels(None, None)
         return "decode attention: MLX SDPA"
     set_decode_kernels(decode_full, decode_mixed)
-    return "decode attention: kernel (float32 and quantised KV read in place)"
+    return "decode attention: kernel (float32, float16 and quantised KV read in place)"

@@ -31,7 +31,7 @@ def cpu_backend_lines(cpu) -> list[str]:
                 f"{'float32 copy' if cpu.dense_weights == 'on' else 'MLX'} "
                 "(each layer's route and reason: --verbose, TUI notes)")
             lines.append(f"prefill gemm: {numpy_blas().describe()}")
-            lines.append("decode attention: kernel (float32 and quantised KV read in place)"
+            lines.append("decode attention: kernel (float32, float16 and quantised KV read in place)"
                          if cpu.fast_attention else "decode attention: MLX SDPA (cpu.fast_attention = false)")
             from chatapp.backend.fused_decode import FUSED_MODEL_TYPES
 
@@ -44,6 +44,11 @@ def cpu_backend_lines(cpu) -> list[str]:
 
                 lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics}"
                              f"{': fast where the CPU has VNNI' if cpu.numerics == 'auto' else ''})")
+                from chatapp.backend.fused_decode import kv_dtype_line
+
+                lines.append(f"fused decode and prefill {kv_dtype_line(cpu.kv_dtype)} (cpu.kv_dtype = {cpu.kv_dtype}"
+                             f"{': float16 where the CPU has F16C' if cpu.kv_dtype == 'auto' else ''}; "
+                             "other cache modes and routes read the buffers as they were written)")
     if cpu.dense_weights == "on":
         lines.append("dense_weights = on: every quantised layer keeps a float32 copy (8x the 4-bit bytes)")
     return lines

@@ -10,7 +10,10 @@ cache buffers in place (by address) and the caches count them (``wrote_in_place`
 where a view handed out of the buffers (a snapshot, the prefix store, ``state``) covers that row,
 which only happens after a ``trim``: that row goes through the cache's own ``update_and_fetch``
 (MLX's slice update, copy-on-write). So the cache, its state, trimming and the prefix store see
-exactly what the MLX step would have written, and no snapshot changes.
+exactly what the MLX step would have written, and no snapshot changes. The buffers are
+float16 where ``cpu.kv_dtype`` says so (auto: where the CPU has F16C): ``adopt`` gives empty
+caches that dtype before anything writes them, and the kernels read and write float16 bits
+(kernels/half.py); caches that already hold float32 rows are read as float32.
 
 ``install_fused_decode`` swaps the model's class for a subclass whose ``__call__`` takes this
 path for a single token over plain preallocated caches (``SegmentedKVCache`` with nothing
@@ -26,6 +29,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+
+from chatapp.config import KV_DTYPES
 
 from .qlinear import last_position_wanted
 
@@ -127,8 +132,11 @@ class FusedDecoder:
     # place (the benches' same-run baseline: chatapp bench cpu --model ... peer chatapp-append)
     write_in_place = True
 
-    def __init__(self, model: nn.Module, numerics: str = "exact"):
+    def __init__(self, model: nn.Module, numerics: str = "exact", kv_dtype: str = "float32"):
         inner = _inner(model)
+        # the dtype of the K/V buffers this decoder gives the caches it meets empty (adopt):
+        # float16 halves the bytes a long-context step streams and the cache's memory
+        self.kv_dtype = resolve_kv_dtype(kv_dtype)
         # fast: 4-bit rows against int8 activations (kernels/int8dot.py; its ISA picked at import)
         self.fast = resolve_numerics(numerics) == "fast"
         # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
@@ -246,19 +254,30 @@ class FusedDecoder:
         s, b = f32(pw.scales[token]), f32(pw.biases[token])
         return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
 
+    def adopt(self, caches: list) -> None:
+        """Give the caches that hold no buffers yet this decoder's K/V dtype, so that what
+        writes them first (this step, or the model's own call) makes them in it; caches that
+        hold rows keep theirs (a restored float32 state is read as float32)."""
+        dtype = KV_MX[self.kv_dtype]
+        for c in caches:
+            if c.full.keys is None:
+                c.full.dtype = dtype
+
     def _cache_buffers(self, caches: list, n_new: int) -> int:
         """Room for ``n_new`` more rows in every layer's buffers, and their addresses, sizes and
-        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the rows held.
+        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the rows held (the
+        buffers' dtype, float32 or float16, is ``caches[0].full.keys.dtype``).
 
         Each buffer's host view and address are kept on the buffer (``FullBuffer.pinned``) while
         its arrays stay the same, which is every decode step once rows are written in place; MLX
         writes (appends, growth) drop them first, so MLX may reuse the buffer."""
         KVH, D = self.n_kv_heads, self.head_dim
+        self.adopt(caches)
         unpinned = []
         for c in caches:
             full = c.full
             if full.keys is None or full.length + n_new > full.capacity:
-                z = mx.zeros((1, KVH, n_new, D), mx.float32)
+                z = mx.zeros((1, KVH, n_new, D), full.dtype if full.keys is None else full.keys.dtype)
                 full.append(z, z)  # grows by whole chunks; the zero rows are dropped again
                 full.trim(n_new)
             if full.pinned is None:
@@ -270,10 +289,13 @@ class FusedDecoder:
                 kf, vf = np.asarray(full.keys), np.asarray(full.values)
                 full.pinned = (kf, vf, kf.ctypes.data, vf.ctypes.data, kf.size, full.capacity * D)
         n_cached = caches[0].full.length
+        dtype = caches[0].full.keys.dtype
         for i, c in enumerate(caches):
             full = c.full
             if full.length != n_cached:
                 raise ValueError("fused decode: the layers' caches hold different token counts")
+            if full.keys.dtype != dtype:
+                raise ValueError("fused decode: the layers' caches hold K/V of different dtypes")
             _, _, self._kv_addr[i, 0], self._kv_addr[i, 1], self._kv_size[i], self._kv_stride[i] = full.pinned
         return n_cached
 
@@ -304,7 +326,7 @@ class FusedDecoder:
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
                          n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
-                         self.fast_mask, write)
+                         self.fast_mask, write, _kv_like(caches))
         k_new = v_new = None
         for i, c in enumerate(caches):
             if write[i]:
@@ -335,14 +357,18 @@ class FusedDecoder:
         hd, kd = self.n_heads * D, KVH * D
         # the kernel writes the chunk's K/V rows straight into these MLX arrays (through numpy views
         # of their buffers), so the cache appends read them without a copy of all layers' rows
-        k_all, v_all = mx.zeros((L, T, kd), mx.float32), mx.zeros((L, T, kd), mx.float32)
+        # (in the cache's dtype: float16 rows as their uint16 bits)
+        dtype = caches[0].full.keys.dtype
+        k_all, v_all = mx.zeros((L, T, kd), dtype), mx.zeros((L, T, kd), dtype)
         mx.eval(k_all, v_all)
-        k_out = np.frombuffer(memoryview(k_all), np.float32).reshape(L, T, kd)
-        v_out = np.frombuffer(memoryview(v_all), np.float32).reshape(L, T, kd)
+        host = _kv_like(caches).dtype
+        k_out = np.frombuffer(memoryview(k_all), host).reshape(L, T, kd)
+        v_out = np.frombuffer(memoryview(v_all), host).reshape(L, T, kd)
         pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
-                         np.empty((T, hd), np.float32), np.empty((T, kd), np.float32), k_out, v_out,
+                         np.empty((T, hd), np.float32), np.empty((T, kd), np.float32),
+                         np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, self.prefill_block)
         del k_out, v_out
@@ -363,9 +389,41 @@ def _plain_caches(cache, n_layers: int) -> bool:
             return False
         if c.quant is not None or c.budget is not None:
             return False
-        if c.full.keys is not None and (c.full.keys.dtype != mx.float32 or c.full.values.dtype != mx.float32):
+        if c.full.keys is not None and (c.full.keys.dtype not in KV_HOST or c.full.values.dtype != c.full.keys.dtype):
             return False
     return True
+
+
+# the K/V buffer dtypes the fused kernels read, and how they see them (float16 as its bits)
+KV_MX = {"float32": mx.float32, "float16": mx.float16}
+KV_HOST = {mx.float32: np.float32, mx.float16: np.uint16}
+
+
+def _kv_like(caches: list) -> np.ndarray:
+    """The empty array whose dtype tells the kernels the caches' buffer element type."""
+    return np.empty(0, KV_HOST[caches[0].full.keys.dtype])
+
+
+def resolve_kv_dtype(kv_dtype: str) -> str:
+    """``float16`` or ``float32`` for a cpu.kv_dtype choice: ``auto`` is float16 where the CPU
+    converts half precision in vector instructions (F16C, detected; kernels/half.py), float32
+    elsewhere, where each K/V element would cost a scalar conversion call."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
+    if kv_dtype != "auto":
+        return kv_dtype
+    from chatapp.kernels.half import HAS_F16C
+
+    return "float16" if HAS_F16C else "float32"
+
+
+def kv_dtype_line(kv_dtype: str) -> str:
+    """What the fused routes keep K/V as, for the plan and --show-config."""
+    from chatapp.kernels.half import HAS_F16C
+
+    dt = resolve_kv_dtype(kv_dtype)
+    how = "F16C" if HAS_F16C else "scalar conversion"
+    return f"K/V cache float16 ({how})" if dt == "float16" else "K/V cache float32"
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -381,6 +439,7 @@ def _fused_class(base: type) -> type:
             dec = getattr(self, "_chatapp_fused", None)
             if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.ndim == 2
                     and inputs.shape[0] == 1 and _plain_caches(cache, len(dec.layers))):
+                dec.adopt(cache)  # the model's own call below writes them in the fused routes' dtype too
                 if inputs.shape[1] == 1:
                     token = int(inputs.item())
                     logits = dec.step(token, cache)
@@ -418,7 +477,8 @@ def numerics_line(numerics: str) -> str:
             "down_proj on 16-bit activations in prefill, exact in decode; the last layer exact)")
 
 
-def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact") -> str:
+def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact",
+                         kv_dtype: str = "float32") -> str:
     """Fuse the model's single-token steps when its layers allow; returns a line for the plan.
     warm_up: run one step on a scratch cache now, so that compiling (or loading from numba's
     disk cache) the layer kernel does not land in the first reply."""
@@ -426,7 +486,7 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
     if why:
         return f"fused decode: off ({why})"
     numerics = resolve_numerics(numerics)
-    dec = FusedDecoder(model, numerics)
+    dec = FusedDecoder(model, numerics, kv_dtype)
     if warm_up:
         from cache import CacheSettings, PreallocKVCache
 
@@ -439,7 +499,7 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
         model.__class__ = _fused_class(type(model))
     return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
             f"prefill chunks: one native call each ({'the same int8 products' if numerics == 'fast' else 'float32'}); "
-            f"{numerics_line(numerics)}")
+            f"{numerics_line(numerics)}; {kv_dtype_line(kv_dtype)}")
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:
@@ -448,6 +508,14 @@ def uninstall_fused_decode(model: nn.Module) -> None:
         model.__class__ = base
     if "_chatapp_fused" in getattr(model, "__dict__", {}):
         object.__delattr__(model, "_chatapp_fused")
+
+
+def cache_kv_dtype(model) -> mx.Dtype | None:
+    """The dtype of the K/V buffers the fused routes give ``model``'s prealloc caches (float16
+    under cpu.kv_dtype auto with F16C), or None when the model is not fused (its caches then
+    hold what the model computes)."""
+    dec = getattr(model, "_chatapp_fused", None)
+    return KV_MX[dec.kv_dtype] if dec is not None and is_fused(model) else None
 
 
 def fused_decoder(model) -> "FusedDecoder | None":

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-down", default="",
                    help="more fast prefill rows, e.g. 'exact,int8': the prefill's down_proj exact or on int8 "
                    "activations instead of 16-bit ones (default: none)")
+    p.add_argument("--kv-dtype-rows", default="",
+                   help="more exact rows with the fused routes' K/V in these dtypes, e.g. 'float32' "
+                   "(the models run cpu.kv_dtype auto: float16 where the CPU has F16C; default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
@@ -141,13 +144,21 @@ def run(args) -> int:
         models[numerics] = model
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_decode import fused_decoder, resolve_kv_dtype
 
     dec = fused_decoder(models["fast"])
     for name, block, last_exact in variants:
         dec.set_fast(True, block, last_exact, down_exact=last_exact)
         logits[name] = _teacher_forced(models["fast"], ids)
     dec.set_fast(True)
+    kv_rows = [d.strip() for d in args.kv_dtype_rows.split(",") if d.strip()]
+    dec_exact = fused_decoder(models["exact"])
+    kv_default = dec_exact.kv_dtype
+    for kv in kv_rows:  # caches made afresh take the decoder's K/V dtype (FusedDecoder.adopt)
+        dec_exact.kv_dtype = resolve_kv_dtype(kv)
+        logits[f"exact, K/V {kv}"] = _teacher_forced(models["exact"], ids)
+    dec_exact.kv_dtype = kv_default
+    print(f"# K/V cache of the exact and fast rows: {kv_default}", flush=True)
     ex = logits["exact"]
     rel = {n: max(float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(lg, ex)) for n, lg in logits.items()}
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
@@ -158,6 +169,10 @@ def run(args) -> int:
         raise SystemExit(f"--prefill-down: {args.prefill_down!r} is not a list of exact|int8|wide")
     if 0 < args.prefill < len(ids) - 1:
         pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
+        for kv in kv_rows:
+            dec_exact.kv_dtype = resolve_kv_dtype(kv)
+            pre[f"exact, K/V {kv}"] = _prefilled(models["exact"], ids, args.prefill)
+        dec_exact.kv_dtype = kv_default
         for b in blocks:
             dec.set_fast(True, prefill_block=b)
             pre[f"fast, block {b}"] = _prefilled(models["fast"], ids, args.prefill)
@@ -185,13 +200,19 @@ def run(args) -> int:
         agree_p = sum(int(a.argmax() == b.argmax()) for a, b in zip(pre["fast"], pre["exact"])) / len(pre["exact"])
         rep.add(f"fast, prefill {args.prefill}", p_fa, p_fa / p_ex, d, agree_p, "", "")
         ppl[f"exact, prefill {args.prefill}"], ppl[f"fast, prefill {args.prefill}"] = p_ex, p_fa
-        for key in [f"block {b}" for b in blocks] + [f"down {d}" for d in downs]:
-            lg = pre[f"fast, {key}"]
-            p_b = _ppl(lg, tail)
+
+        def prefill_row(label: str, lg: list) -> None:
+            """One more prefilled route against the exact prefill: perplexity, logit error, agreement."""
+            p = _ppl(lg, tail)
             d = max(float(np.abs(a - e).max() / np.abs(e).max()) for a, e in zip(lg, pre["exact"]))
-            agree_b = sum(int(a.argmax() == e.argmax()) for a, e in zip(lg, pre["exact"])) / len(pre["exact"])
-            rep.add(f"fast, prefill {args.prefill}, {key}", p_b, p_b / p_ex, d, agree_b, "", "")
-            ppl[f"fast, prefill {args.prefill}, {key}"] = p_b
+            agree = sum(int(a.argmax() == e.argmax()) for a, e in zip(lg, pre["exact"])) / len(pre["exact"])
+            rep.add(label, p, p / p_ex, d, agree, "", "")
+            ppl[label] = p
+
+        for kv in kv_rows:
+            prefill_row(f"exact, K/V {kv}, prefill {args.prefill}", pre[f"exact, K/V {kv}"])
+        for key in [f"block {b}" for b in blocks] + [f"down {d}" for d in downs]:
+            prefill_row(f"fast, prefill {args.prefill}, {key}", pre[f"fast, {key}"])
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")
     rep.meta.update(load_average_start=load_start, load_average_end=loadavg(), rates=rates, perplexity=ppl)

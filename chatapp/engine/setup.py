@@ -47,7 +47,7 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         dense_prefill_threshold=cpu.dense_prefill_threshold, dense_weights=cpu.dense_weights,
         dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
         kernels=cpu.kernels, kernel_max_tokens=cpu.kernel_max_tokens, threads=cpu.threads,
-        fused_decode=cpu.fused_decode, numerics=cpu.numerics,
+        fused_decode=cpu.fused_decode, numerics=cpu.numerics, kv_dtype=cpu.kv_dtype,
     )
     loaded.memory_notes = memory_notes
     return loaded

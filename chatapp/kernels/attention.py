@@ -46,12 +46,12 @@ def fast_exp(x):  # pragma: no cover - jitted
 
 @njit(fastmath=True, cache=True, nogil=True)
 def scores_full(q, k, scale, s):  # pragma: no cover - jitted
-    """s[n] = scale * q . k[n] for q [D], k [N, D]."""
+    """s[n] = scale * q . k[n] for q [D], k [N, D] (float32, or float16 bits as uint16)."""
     D = q.shape[0]
     for n in range(k.shape[0]):
         d = np.float32(0.0)
         for j in range(D):
-            d += q[j] * k[n, j]
+            d += q[j] * as_f32(k[n, j])
         s[n] = d * scale
 
 
@@ -97,12 +97,12 @@ def softmax_inplace(s):  # pragma: no cover - jitted
 
 @njit(fastmath=True, cache=True, nogil=True)
 def accumulate_full(p, v, o):  # pragma: no cover - jitted
-    """o += sum_n p[n] * v[n] for v [N, D]."""
+    """o += sum_n p[n] * v[n] for v [N, D] (float32, or float16 bits as uint16)."""
     D = o.shape[0]
     for n in range(v.shape[0]):
         w = p[n]
         for j in range(D):
-            o[j] += w * v[n, j]
+            o[j] += w * as_f32(v[n, j])
 
 
 @njit(fastmath=True, cache=True, nogil=True)

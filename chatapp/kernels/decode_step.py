@@ -32,11 +32,11 @@ group size. Scales/biases float32 or float16 bits (uint16), as the other kernels
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import carray, njit, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
+from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, quantise_lanes
 from .llvm import as_f32, atomic_add
 from .rows4 import ROWS, q4_rows4_dot
@@ -192,7 +192,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
     q, k, v, o, gate, up, down. cos/sin [D/2] for the token's position. k_cache/v_cache: flat
     views of the cache's [kv_heads, capacity, D] buffers with their head strides (kernels'
-    heads_view), n_cached rows held. Outputs: k_out (the new keys, roped) and v_new
+    heads_view), n_cached rows held, float32 or float16 bits (uint16: read through as_f32 and
+    written through store_f32, vcvtph2ps/vcvtps2ph where the CPU has F16C, kernels/half.py).
+    Outputs: k_out (the new keys, roped) and v_new
     [kv_heads * D]; with ``write_kv`` they are also written into the cache buffers at row
     n_cached (the caller made room and checked that no view handed out covers that row), else
     the caller appends them. q, k_new (before RoPE) [heads * D], attn [heads * D] and act
@@ -270,9 +272,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             if write_kv:  # and writes the new row in place (the other heads read rows < n_cached)
                 kb, vb = kh * k_stride + n_cached * D, kh * v_stride + n_cached * D
                 for j in range(D):
-                    k_cache[kb + j] = kr[j]
+                    store_f32(k_cache, kb + j, kr[j])
                 for j in range(D):
-                    v_cache[vb + j] = v_new[kh * D + j]
+                    store_f32(v_cache, vb + j, v_new[kh * D + j])
         phase_done(ctl, 1)
     phase_barrier(ctl, 1, n_heads)
 
@@ -319,38 +321,28 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     phase_barrier(ctl, 4, n5)
 
 
-@intrinsic
-def f32_at(typingctx, addr):
-    """The float32 pointer at integer address ``addr`` (a buffer's data address)."""
-    if addr != types.int64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.PointerType(ir.FloatType()))
-
-    return types.CPointer(types.float32)(types.int64), codegen
-
-
 CTL_SIZE = 2 * LINE * PHASES
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, attn, act, fast, write_kv):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, attn, act, fast, write_kv, kv_like):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
     w* are typed lists (one (packed, scales, biases) per layer), bits [L, 7], norms [L, dim];
     kv_addr [L, 2] the data addresses of each layer's K and V cache buffers ([kv_heads,
-    capacity, D] float32, kv_size[l] elements, heads kv_stride[l] apart); v_out/k_out [L, kv_heads*D]
+    capacity, D] float32 or float16, kv_size[l] elements, heads kv_stride[l] apart; ``kv_like``,
+    an empty float32 or uint16 array, says which: float16 bits are read and written as uint16);
+    v_out/k_out [L, kv_heads*D]
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
     4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*).
     write_kv [L] (int64): per layer, whether the new K/V row goes into the cache buffers in
     place at row n_cached (see layer_step)."""
     for layer in range(bits.shape[0]):
-        k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
-        v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
+        v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], kv_like)
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],

@@ -18,17 +18,19 @@ claims chunks of each phase from atomic counters, with a barrier at each phase's
 The products are float32 throughout (the exact route's numbers, summed in another order than
 the BLAS): the tile holds each row de-interleaved (even elements, then odd, as the 4-bit
 nibbles lie), and the activations are permuted the same way once per phase, so each dot product
-runs over contiguous memory. The new K/V rows are not written into the cache here: the caller
-appends them through the cache's own ``update_and_fetch`` (as decode_step's caller does).
+runs over contiguous memory. The new K/V rows are not written into the cache here: they go to
+``k_out``/``v_out`` in the cache's dtype (float32, or float16 bits), which the caller appends
+through the cache's own ``update_and_fetch``.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit
+from numba import njit
 
 from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
-from .decode_step import LINE, apply_rope, f32_at, phase_barrier, phase_claim, phase_done, silu_mul
+from .decode_step import LINE, apply_rope, phase_barrier, phase_claim, phase_done, silu_mul
+from .half import kv_buffer, store_f32
 from .int8panel import (
     PANEL_ROWS,
     PANEL_TOKENS,
@@ -218,14 +220,16 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, k_new, v_new, attn, act, fast=0, act_block=0):  # pragma: no cover - jitted
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, fast=0, act_block=0):  # pragma: no cover - jitted
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
     the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
-    buffers, n_cached rows held. Outputs: k_new (roped) and v_new [T, kv_heads * D] for the
-    caller to append; q [T, heads * D], k_raw [T, kv_heads * D] (keys before RoPE), attn
-    [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
+    buffers, n_cached rows held, float32 or float16 bits as uint16 (decode_step.layer_step).
+    Outputs: k_out (roped) and v_out [T, kv_heads * D] for the caller to append, in the cache's
+    dtype (float32, or float16 bits as uint16); q [T, heads * D], k_raw and v_new
+    [T, kv_heads * D] (keys before RoPE, values: float32, what the chunk's own attention reads),
+    attn [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
@@ -291,7 +295,11 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             apply_rope(kr[j], cos[j], sin[j], traditional)
         if h % G == 0 and blk == n_blocks - 1:
             for j in range(T):
-                k_new[j, kh * D:(kh + 1) * D] = kr[j]
+                kd, vd = k_out[j], v_out[j]
+                for e in range(D):
+                    store_f32(kd, kh * D + e, kr[j, e])
+                for e in range(D):
+                    store_f32(vd, kh * D + e, v_new[j, kh * D + e])
         kc = head_rows(k_cache, kh, k_stride, n_cached, D)
         vc = head_rows(v_cache, kh, v_stride, n_cached, D)
         for t in range(blk * TOKEN_BLOCK, t_end):
@@ -355,21 +363,23 @@ LAYER_CTL = 2 * LINE * 5
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_raw, k_out, v_out, attn, act, fast, act_block=0):  # pragma: no cover - jitted
+                 scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, act_block=0):  # pragma: no cover - jitted
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
-    takes them. k_out/v_out [L, T, kv_heads * D] receive each layer's new roped K and V; fast [L]
+    takes them, the cache buffers' element type that of k_out. k_out/v_out [L, T, kv_heads * D]
+    (float32, or float16 bits as uint16) receive each layer's new roped K and V; v_raw
+    [T, kv_heads * D] float32 scratch for the values; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
     (FusedDecoder.prefill_mask)."""
     for layer in range(bits.shape[0]):
-        k_cache = carray(f32_at(kv_addr[layer, 0]), (kv_size[layer],))
-        v_cache = carray(f32_at(kv_addr[layer, 1]), (kv_size[layer],))
+        k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
+        v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], k_out)
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
-                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, k_out[layer], v_out[layer], attn, act,
-                      fast[layer], act_block)
+                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
+                      act, fast[layer], act_block)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -178,13 +178,16 @@ def block_info(path: Path) -> BlockInfo:
 def namespace_for(session, weights_fingerprint: str, model_id: str = "") -> Namespace:
     """The namespace of a session's K/V: its model's weights and arguments, its prompt format,
     the dtype and geometry of its caches."""
+    from chatapp.backend.fused_decode import cache_kv_dtype
     from chatapp.model.device import activation_float_dtype, dtype_name
 
+    # the fused CPU routes keep K/V in their own dtype (cpu.kv_dtype), else the model's
+    kv_dtype = cache_kv_dtype(session.model) or activation_float_dtype(session.model)
     args = getattr(session.model, "args", None)
     fields = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     config = _digest(json.dumps(fields, sort_keys=True, default=str))
     g = session.geometry
-    return Namespace(weights_fingerprint, session.format.key, config, dtype_name(activation_float_dtype(session.model)),
+    return Namespace(weights_fingerprint, session.format.key, config, dtype_name(kv_dtype),
                      g.n_layers, g.n_kv_heads, g.head_dim, model_id)
 
 
