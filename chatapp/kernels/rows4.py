@@ -14,9 +14,34 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import I64, V16B, V16F, declare_fma, hsum, is_c_array, scale_loader, splat, vload
+from .llvm import I8
+from .simd import I64, V16B, V16F, declare, declare_fma, hsum, is_c_array, scale_loader, splat, vload
+
+_I32 = ir.IntType(32)
 
 ROWS = 4
+# bytes of each row prefetched ahead, scales included (past a row's end: the row ROWS further
+# on, the next call's). The 2-core Xeon's hardware prefetchers keep too few of the 8 streams
+# in flight; prefetching changes no arithmetic (BENCHMARKS.md, "decode on the Xeon")
+PREFETCH_BYTES = 1024
+
+
+def prefetch_ahead(builder, rows: list, offset, row_len, scale_rows: list, group_size, n_scales) -> None:
+    """Prefetch byte ``offset`` + PREFETCH_BYTES of each row in ``rows`` (row_len bytes long;
+    past the end the same place ROWS rows on) and its scale in ``scale_rows`` (one per
+    ``group_size`` weights, n_scales a row)."""
+    fn = declare(builder.module, "llvm.prefetch.p0i8",
+                 ir.FunctionType(ir.VoidType(), [I8.as_pointer(), _I32, _I32, _I32]))
+    ahead = builder.add(offset, ir.Constant(I64, PREFETCH_BYTES))
+    wrap = builder.icmp_unsigned(">=", ahead, row_len)
+    ahead = builder.select(wrap, builder.add(ahead, builder.mul(row_len, ir.Constant(I64, ROWS - 1))), ahead)
+    s_ahead = builder.udiv(builder.mul(builder.add(offset, ir.Constant(I64, PREFETCH_BYTES)), ir.Constant(I64, 2)),
+                           builder.sext(group_size, I64) if group_size.type != I64 else group_size)
+    s_ahead = builder.select(wrap, builder.add(s_ahead, builder.mul(n_scales, ir.Constant(I64, ROWS - 1))), s_ahead)
+    targets = [builder.gep(r, [ahead]) for r in rows]
+    targets += [builder.bitcast(builder.gep(r, [s_ahead]), I8.as_pointer()) for r in scale_rows]
+    for t in targets:
+        builder.call(fn, [t, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
 @intrinsic
@@ -42,11 +67,12 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
         fifteen, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
         fma = declare_fma(builder)
-        wrows, scalers = [], []
+        wrows, scalers, srows = [], [], []
         for i in range(ROWS):
             r = builder.add(r0v, ir.Constant(I64, i))
             wrows.append(builder.gep(wa.data, [builder.mul(r, row_bytes)]))
-            scalers.append(scale_loader(builder, builder.gep(sa.data, [builder.mul(r, n_groups)]), half_scales))
+            srows.append(builder.gep(sa.data, [builder.mul(r, n_groups)]))
+            scalers.append(scale_loader(builder, srows[-1], half_scales))
         entry = builder.block
         loop = builder.append_basic_block("rows4.loop")
         done = builder.append_basic_block("rows4.done")
@@ -64,6 +90,7 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         two_blk = builder.mul(blk, ir.Constant(I64, 2))
         first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
         second = builder.select(is32, builder.add(two_blk, ir.Constant(I64, 1)), first)
+        prefetch_ahead(builder, wrows, base, row_bytes, srows, gs, n_groups)
         new_accs = []
         for i in range(ROWS):
             parts = []
