@@ -243,11 +243,10 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                     # ``rows`` further on (the next call's), not the next row of this call (loaded now)
                     wahead = builder.add(base, ir.Constant(I64, prefetch * WIDE))
                     wrap = builder.icmp_unsigned(">=", wahead, row_bytes)
-                    wahead = builder.select(wrap, builder.add(wahead, builder.mul(row_bytes, ir.Constant(I64, rows - 1))),
-                                            wahead)
+                    more = ir.Constant(I64, rows - 1)
+                    wahead = builder.select(wrap, builder.add(wahead, builder.mul(row_bytes, more)), wahead)
                     gahead = builder.add(gidx, ir.Constant(I64, prefetch * WIDE * 2 // group_size))
-                    gahead = builder.select(wrap, builder.add(gahead, builder.mul(n_groups, ir.Constant(I64, rows - 1))),
-                                            gahead)
+                    gahead = builder.select(wrap, builder.add(gahead, builder.mul(n_groups, more)), gahead)
                 for i in range(rows):
                     if prefetch and nb == WIDE:
                         targets = [builder.gep(wrows[i], [wahead])]
