@@ -167,7 +167,7 @@ def wide_steps(builder: ir.IRBuilder, nstep, tail, n_acc: int, zero, step, name:
     return finals
 
 
-def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: bool = True):
+def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, prefetch_params: bool = False):
     """``rows`` rows of a 4-bit weight against int8 activations, biases included:
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
@@ -176,11 +176,8 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: bool = True
     the lane's 8 activations; quantise_lanes writes both). 64 packed bytes (128 weights) per step:
     an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
     per row; the row scales/biases of the step are one vector load each. A row of K % 128 = 64
-    ends with a half step. ``prefetch``: each step asks for the line at the same offset of the
-    next call's rows (``rows`` rows on). Rows of 2-5.5 KiB are too short for the hardware
-    prefetchers to ramp up on, and a core's misses in flight bound decode: on the Xeon, one
-    thread over 11008x4096 weights out of L3 read 4.7 GB/s without it, 6.1-6.4 with a
-    prefetch 8 steps ahead in the same row, 7.9 with this one (BENCHMARKS.md)."""
+    ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead (and
+    with ``prefetch_params`` its scales and biases as far ahead, every step)."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
     if group_size not in (32, 64, 128):
@@ -211,7 +208,6 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: bool = True
                           ir.FunctionType(ir.VoidType(), [I8.as_pointer(), _I32, _I32, _I32]))
             sdata = builder.bitcast(sa.data, (ir.HalfType() if half_scales else F32).as_pointer())
             bdata = builder.bitcast(ba.data, (ir.HalfType() if half_scales else F32).as_pointer())
-            next_rows = builder.mul(row_bytes, ir.Constant(I64, rows))
             wrows, srows, brows = [], [], []
             for i in range(rows):
                 r = builder.add(r0v, ir.Constant(I64, i))
@@ -242,10 +238,23 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: bool = True
                 xe, xo = load(ea.data, base), load(oa.data, base)
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
+                if prefetch and nb == WIDE:
+                    # the bytes ``prefetch`` steps ahead; past a row's end, the same place in the row
+                    # ``rows`` further on (the next call's), not the next row of this call (loaded now)
+                    wahead = builder.add(base, ir.Constant(I64, prefetch * WIDE))
+                    wrap = builder.icmp_unsigned(">=", wahead, row_bytes)
+                    more = ir.Constant(I64, rows - 1)
+                    wahead = builder.select(wrap, builder.add(wahead, builder.mul(row_bytes, more)), wahead)
+                    gahead = builder.add(gidx, ir.Constant(I64, prefetch * WIDE * 2 // group_size))
+                    gahead = builder.select(wrap, builder.add(gahead, builder.mul(n_groups, more)), gahead)
                 for i in range(rows):
                     if prefetch and nb == WIDE:
-                        ahead = builder.gep(wrows[i], [builder.add(base, next_rows)])
-                        builder.call(pf, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                        targets = [builder.gep(wrows[i], [wahead])]
+                        if prefetch_params:
+                            targets += [builder.bitcast(builder.gep(p, [gahead]), I8.as_pointer())
+                                        for p in (srows[i], brows[i])]
+                        for t in targets:
+                            builder.call(pf, [t, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
                     b = load(wrows[i], base)
                     d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
                                       builder.lshr(b, four), xo)
@@ -291,7 +300,12 @@ def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no c
 
 
 ISA = detect_isa()
-_ROWS_I8 = {gs: make_rows_i8(ISA, gs) for gs in (32, 64, 128)}
+# steps of 64 packed bytes that each row is prefetched ahead, scales and biases included: on the
+# 2-core Xeon (AVX-512 VNNI) the hardware prefetchers keep too few of a call's 12 streams (4 rows
+# x bytes, scales, biases) in flight; one thread, 4096x11008 and 11008x4096 from DRAM, GB/s
+# 10.1 -> 13.9 and 6.1 -> 10.2 (BENCHMARKS.md, "decode on the Xeon")
+PREFETCH_STEPS = 16
+_ROWS_I8 = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True) for gs in (32, 64, 128)}
 _k32, _k64, _k128 = _ROWS_I8[32], _ROWS_I8[64], _ROWS_I8[128]
 
 

@@ -7,10 +7,11 @@ activation load and keep four independent accumulators, so the FMAs of different
 The sums are the same products as the row kernels', in the same order per row (only the rows
 are interleaved), so results are bit-identical to them.
 
-Each block also prefetches the line at the same offset of the next call's rows (ROWS rows on):
-rows of 0.3-5.5 KiB are too short for the hardware prefetchers to ramp up on, and a core's
-misses in flight are what bound decode. On the Xeon, one thread over 11008x4096 4-bit weights
-out of L3 read 3.2 GB/s without it, 5.8 with it (BENCHMARKS.md).
+Each block also prefetches each row's bytes and scales PREFETCH_BYTES ahead (past a row's end:
+the same place ROWS rows on, the next call's rows, not the next row of this call, which is being
+read). A call reads 8 streams (4 rows x bytes, scales) and the Xeon's hardware prefetchers keep
+too few of them in flight, worst on the short rows of K = 4096; a core's misses in flight are
+what bound decode (BENCHMARKS.md, "Decode on the Xeon"). No arithmetic changes.
 """
 
 from __future__ import annotations
@@ -25,16 +26,37 @@ from .simd import I64, V16B, V16F, declare, declare_fma, hsum, is_c_array, scale
 ROWS = 4
 I32 = ir.IntType(32)
 BLOCK_BYTES = 32  # packed bytes per loop step and row: 64 4-bit or 32 8-bit weights
+PREFETCH_BYTES = 1024  # how far ahead each row's bytes (and its scales) are asked for
 
 
-def _four_rows(builder: ir.IRBuilder, wa, r0v, row_bytes, block, outa) -> None:
-    """The loop both kernels run: ``block(i, row_ptr, base, acc)`` returns row i's accumulator
-    after the BLOCK_BYTES packed bytes at ``base``; the four sums are stored to ``outa``."""
-    prefetch = declare(builder.module, "llvm.prefetch.p0i8",
-                       ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
-    next_rows = builder.mul(row_bytes, ir.Constant(I64, ROWS))
-    wrows = [builder.gep(wa.data, [builder.mul(builder.add(r0v, ir.Constant(I64, i)), row_bytes)])
-             for i in range(ROWS)]
+def _prefetch_ahead(builder: ir.IRBuilder, rows: list, base, row_bytes, scale_rows: list, weights_per_byte: int,
+                    group_size, n_groups) -> None:
+    """Prefetch byte ``base`` + PREFETCH_BYTES of each row in ``rows`` and its scale in
+    ``scale_rows``; past a row's end, the same place ROWS rows on (the next call's rows)."""
+    fn = declare(builder.module, "llvm.prefetch.p0i8",
+                 ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
+    more = ir.Constant(I64, ROWS - 1)
+    ahead = builder.add(base, ir.Constant(I64, PREFETCH_BYTES))
+    wrap = builder.icmp_unsigned(">=", ahead, row_bytes)
+    gs = builder.sext(group_size, I64) if group_size.type != I64 else group_size
+    s_ahead = builder.udiv(builder.mul(ahead, ir.Constant(I64, weights_per_byte)), gs)
+    ahead = builder.select(wrap, builder.add(ahead, builder.mul(row_bytes, more)), ahead)
+    s_ahead = builder.select(wrap, builder.add(s_ahead, builder.mul(n_groups, more)), s_ahead)
+    targets = [builder.gep(r, [ahead]) for r in rows]
+    targets += [builder.bitcast(builder.gep(r, [s_ahead]), I8.as_pointer()) for r in scale_rows]
+    for t in targets:
+        builder.call(fn, [t, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+def _four_rows(builder: ir.IRBuilder, wa, sa, r0v, block, outa, weights_per_byte: int, group_size) -> None:
+    """The loop both kernels run over rows r0v .. r0v+3 of packed ``wa`` and scales ``sa``:
+    ``block(row_ptr, scales_ptr, blk, base, acc)`` returns a row's accumulator after the
+    BLOCK_BYTES packed bytes at ``base`` (block ``blk``); the four sums are stored to ``outa``."""
+    row_bytes = builder.extract_value(wa.shape, 1)
+    n_groups = builder.extract_value(sa.shape, 1)
+    rows = [builder.add(r0v, ir.Constant(I64, i)) for i in range(ROWS)]
+    wrows = [builder.gep(wa.data, [builder.mul(r, row_bytes)]) for r in rows]
+    srows = [builder.gep(sa.data, [builder.mul(r, n_groups)]) for r in rows]
     nblk = builder.udiv(row_bytes, ir.Constant(I64, BLOCK_BYTES))
     entry = builder.block
     loop = builder.append_basic_block("rows4.loop")
@@ -48,11 +70,8 @@ def _four_rows(builder: ir.IRBuilder, wa, r0v, row_bytes, block, outa) -> None:
     for a in accs:
         a.add_incoming(zero, entry)
     base = builder.mul(blk, ir.Constant(I64, BLOCK_BYTES))
-    new_accs = []
-    for i in range(ROWS):
-        ahead = builder.gep(wrows[i], [builder.add(base, next_rows)])
-        builder.call(prefetch, [ahead, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
-        new_accs.append(block(i, wrows[i], blk, base, accs[i]))
+    _prefetch_ahead(builder, wrows, base, row_bytes, srows, weights_per_byte, group_size, n_groups)
+    new_accs = [block(wrows[i], srows[i], blk, base, accs[i]) for i in range(ROWS)]
     nxt = builder.add(blk, ir.Constant(I64, 1))
     blk.add_incoming(nxt, builder.block)
     for a, n in zip(accs, new_accs):
@@ -86,17 +105,13 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
         wa, ea, oa, sa, outa = (context.make_array(signature.args[i])(context, builder, args[i])
                                 for i in (0, 2, 3, 4, 6))
         r0v, gs = args[1], args[5]
-        row_bytes = builder.extract_value(wa.shape, 1)
-        n_groups = builder.extract_value(sa.shape, 1)
         is32 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 32))
         is64 = builder.icmp_signed("==", gs, ir.Constant(gs.type, 64))
         fifteen, four = ir.Constant(V16B, [15] * 16), ir.Constant(V16B, [4] * 16)
         fma = declare_fma(builder)
-        scalers = [scale_loader(builder, builder.gep(sa.data, [builder.mul(builder.add(r0v, ir.Constant(I64, i)),
-                                                                         n_groups)]), half_scales)
-                   for i in range(ROWS)]
 
-        def block(i, row, blk, base, acc):
+        def block(row, srow, blk, base, acc):
+            scale = scale_loader(builder, srow, half_scales)
             offs = [base, builder.add(base, ir.Constant(I64, 16))]
             two_blk = builder.mul(blk, ir.Constant(I64, 2))
             first = builder.select(is32, two_blk, builder.select(is64, blk, builder.lshr(blk, ir.Constant(I64, 1))))
@@ -108,10 +123,10 @@ def q4_rows4_dot(typingctx, w, r0, xe, xo, scales, group_size, out):
                 hi = builder.uitofp(builder.lshr(b, four), V16F)
                 parts.append(builder.call(fma, [hi, vload(builder, oa.data, off, V16F),
                                                 builder.fmul(lo, vload(builder, ea.data, off, V16F))]))
-            acc = builder.call(fma, [parts[0], splat(builder, scalers[i](first), V16F), acc])
-            return builder.call(fma, [parts[1], splat(builder, scalers[i](second), V16F), acc])
+            acc = builder.call(fma, [parts[0], splat(builder, scale(first), V16F), acc])
+            return builder.call(fma, [parts[1], splat(builder, scale(second), V16F), acc])
 
-        _four_rows(builder, wa, r0v, row_bytes, block, outa)
+        _four_rows(builder, wa, sa, r0v, block, outa, 2, gs)
         return context.get_dummy_value()
 
     return types.none(w, r0, xe, xo, scales, group_size, out), codegen
@@ -130,26 +145,22 @@ def q8_rows4_dot(typingctx, w, r0, x, scales, group_size, out):
     def codegen(context, builder, signature, args):
         wa, xa, sa, outa = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 3, 5))
         r0v, gs = args[1], args[4]
-        row_bytes = builder.extract_value(wa.shape, 1)
-        n_groups = builder.extract_value(sa.shape, 1)
         # blocks of 32 weights per scale: 1 (group 32), 2 (64) or 4 (128)
         shift = builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 32)), ir.Constant(I64, 0),
                                builder.select(builder.icmp_signed("==", gs, ir.Constant(gs.type, 64)),
                                               ir.Constant(I64, 1), ir.Constant(I64, 2)))
         fma = declare_fma(builder)
-        scalers = [scale_loader(builder, builder.gep(sa.data, [builder.mul(builder.add(r0v, ir.Constant(I64, i)),
-                                                                         n_groups)]), half_scales)
-                   for i in range(ROWS)]
 
-        def block(i, row, blk, base, acc):  # q8_row_dot's block, term for term
+        def block(row, srow, blk, base, acc):  # q8_row_dot's block, term for term
+            scale = scale_loader(builder, srow, half_scales)
             off = builder.add(base, ir.Constant(I64, 16))
             w0 = builder.uitofp(vload(builder, row, base, V16B), V16F)
             w1 = builder.uitofp(vload(builder, row, off, V16B), V16F)
             part = builder.call(fma, [w1, vload(builder, xa.data, off, V16F),
                                       builder.fmul(w0, vload(builder, xa.data, base, V16F))])
-            return builder.call(fma, [part, splat(builder, scalers[i](builder.lshr(blk, shift)), V16F), acc])
+            return builder.call(fma, [part, splat(builder, scale(builder.lshr(blk, shift)), V16F), acc])
 
-        _four_rows(builder, wa, r0v, row_bytes, block, outa)
+        _four_rows(builder, wa, sa, r0v, block, outa, 1, gs)
         return context.get_dummy_value()
 
     return types.none(w, r0, x, scales, group_size, out), codegen
