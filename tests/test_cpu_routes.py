@@ -180,7 +180,9 @@ def test_explicit_mask_arrays_stay_on_mlx():
     kv = mx.zeros((1, 1, 8, 64))
     assert decode_attention.decode_full(q, kv, kv, 0.1, mx.zeros((1, 8))) is None
     assert decode_attention.decode_full(mx.zeros((1, 2, 2, 64)), kv, kv, 0.1, None) is None  # 2 queries
-    assert decode_attention.decode_full(q, kv.astype(mx.float16), kv.astype(mx.float16), 0.1, None) is None
+    # float16 K/V are read in place (tests/test_kv16.py); bfloat16, or K and V of different dtypes, stay on MLX
+    assert decode_attention.decode_full(q, kv.astype(mx.bfloat16), kv.astype(mx.bfloat16), 0.1, None) is None
+    assert decode_attention.decode_full(q, kv.astype(mx.float16), kv, 0.1, None) is None
 
 
 def test_plan_summary_names_blas_kernels_and_routes():
