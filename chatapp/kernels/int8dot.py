@@ -31,7 +31,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .llvm import F32, I8
-from .simd import I64, V16F, declare, hsum, is_c_array, vload
+from .simd import I64, V16F, declare, hsum, is_c_array, prefetch_ahead, vload
 
 ROWS = 4  # rows per kernel call: they share each activation load
 # activation elements per int8 scale (8, 16 or 32: the kernel reads per-lane scales either way);
@@ -204,8 +204,6 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                                          ir.Constant(I64, 0))
             fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
             fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
-            pf = declare(builder.module, "llvm.prefetch.p0i8",
-                          ir.FunctionType(ir.VoidType(), [I8.as_pointer(), _I32, _I32, _I32]))
             sdata = builder.bitcast(sa.data, (ir.HalfType() if half_scales else F32).as_pointer())
             bdata = builder.bitcast(ba.data, (ir.HalfType() if half_scales else F32).as_pointer())
             wrows, srows, brows = [], [], []
@@ -239,22 +237,9 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
                 if prefetch and nb == WIDE:
-                    # the bytes ``prefetch`` steps ahead; past a row's end, the same place in the row
-                    # ``rows`` further on (the next call's), not the next row of this call (loaded now)
-                    wahead = builder.add(base, ir.Constant(I64, prefetch * WIDE))
-                    wrap = builder.icmp_unsigned(">=", wahead, row_bytes)
-                    more = ir.Constant(I64, rows - 1)
-                    wahead = builder.select(wrap, builder.add(wahead, builder.mul(row_bytes, more)), wahead)
-                    gahead = builder.add(gidx, ir.Constant(I64, prefetch * WIDE * 2 // group_size))
-                    gahead = builder.select(wrap, builder.add(gahead, builder.mul(n_groups, more)), gahead)
+                    prefetch_ahead(builder, wrows, base, row_bytes, srows + brows if prefetch_params else [],
+                                   prefetch * WIDE, rows, 2, ir.Constant(I64, group_size), n_groups)
                 for i in range(rows):
-                    if prefetch and nb == WIDE:
-                        targets = [builder.gep(wrows[i], [wahead])]
-                        if prefetch_params:
-                            targets += [builder.bitcast(builder.gep(p, [gahead]), I8.as_pointer())
-                                        for p in (srows[i], brows[i])]
-                        for t in targets:
-                            builder.call(pf, [t, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
                     b = load(wrows[i], base)
                     d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
                                       builder.lshr(b, four), xo)

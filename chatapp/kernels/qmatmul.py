@@ -190,7 +190,7 @@ def _matmul(ctl, chunk, wb, scales, biases, xa, xb, xsum, out, group_size, bits)
         end = min(N, (c + 1) * chunk)
         if xa.shape[0] == 1:
             # one token (the decode's output head): four rows per call share the activation loads
-            # and prefetch the next four (rows4.py); the same sums as the row kernels', bit for bit
+            # and prefetch ahead (rows4.py); the same sums as the row kernels', bit for bit
             while r + ROWS <= end:
                 if bits == 4:
                     q4_rows4_dot(wb, r, xa[0], xb[0], scales, group_size, tmp)

@@ -20,32 +20,11 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .llvm import I8
-from .simd import I64, V16B, V16F, declare, declare_fma, hsum, is_c_array, scale_loader, splat, vload
+from .simd import I64, V16B, V16F, declare_fma, hsum, is_c_array, prefetch_ahead, scale_loader, splat, vload
 
 ROWS = 4
-I32 = ir.IntType(32)
 BLOCK_BYTES = 32  # packed bytes per loop step and row: 64 4-bit or 32 8-bit weights
 PREFETCH_BYTES = 1024  # how far ahead each row's bytes (and its scales) are asked for
-
-
-def _prefetch_ahead(builder: ir.IRBuilder, rows: list, base, row_bytes, scale_rows: list, weights_per_byte: int,
-                    group_size, n_groups) -> None:
-    """Prefetch byte ``base`` + PREFETCH_BYTES of each row in ``rows`` and its scale in
-    ``scale_rows``; past a row's end, the same place ROWS rows on (the next call's rows)."""
-    fn = declare(builder.module, "llvm.prefetch.p0i8",
-                 ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
-    more = ir.Constant(I64, ROWS - 1)
-    ahead = builder.add(base, ir.Constant(I64, PREFETCH_BYTES))
-    wrap = builder.icmp_unsigned(">=", ahead, row_bytes)
-    gs = builder.sext(group_size, I64) if group_size.type != I64 else group_size
-    s_ahead = builder.udiv(builder.mul(ahead, ir.Constant(I64, weights_per_byte)), gs)
-    ahead = builder.select(wrap, builder.add(ahead, builder.mul(row_bytes, more)), ahead)
-    s_ahead = builder.select(wrap, builder.add(s_ahead, builder.mul(n_groups, more)), s_ahead)
-    targets = [builder.gep(r, [ahead]) for r in rows]
-    targets += [builder.bitcast(builder.gep(r, [s_ahead]), I8.as_pointer()) for r in scale_rows]
-    for t in targets:
-        builder.call(fn, [t, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _four_rows(builder: ir.IRBuilder, wa, sa, r0v, block, outa, weights_per_byte: int, group_size) -> None:
@@ -70,7 +49,8 @@ def _four_rows(builder: ir.IRBuilder, wa, sa, r0v, block, outa, weights_per_byte
     for a in accs:
         a.add_incoming(zero, entry)
     base = builder.mul(blk, ir.Constant(I64, BLOCK_BYTES))
-    _prefetch_ahead(builder, wrows, base, row_bytes, srows, weights_per_byte, group_size, n_groups)
+    prefetch_ahead(builder, wrows, base, row_bytes, srows, PREFETCH_BYTES, ROWS, weights_per_byte, group_size,
+                   n_groups)
     new_accs = [block(wrows[i], srows[i], blk, base, accs[i]) for i in range(ROWS)]
     nxt = builder.add(blk, ir.Constant(I64, 1))
     blk.add_incoming(nxt, builder.block)

@@ -85,6 +85,29 @@ def _block_loop(builder: ir.IRBuilder, n_blocks, body):
     return hsum(builder, final)
 
 
+def prefetch_ahead(builder: ir.IRBuilder, rows: list, base, row_bytes, param_rows: list, distance: int,
+                   n_rows: int, weights_per_byte: int, group_size, n_groups) -> None:
+    """Prefetch byte ``base`` + ``distance`` of each packed row in ``rows`` and, in each of
+    ``param_rows`` (a row's scales or biases, n_groups entries), the entry of the weight there;
+    past a row's end, the same place ``n_rows`` - 1 rows further on: in a kernel that reads
+    ``n_rows`` adjacent rows per call, the next call's rows, not this call's next row (being
+    read now). Hints only: no arithmetic changes (the row kernels of rows4.py and int8dot.py)."""
+    fn = declare(builder.module, "llvm.prefetch.p0i8",
+                 ir.FunctionType(ir.VoidType(), [I8.as_pointer(), ir.IntType(32), ir.IntType(32), ir.IntType(32)]))
+    more = ir.Constant(I64, n_rows - 1)
+    ahead = builder.add(base, ir.Constant(I64, distance))
+    wrap = builder.icmp_unsigned(">=", ahead, row_bytes)
+    gs = builder.sext(group_size, I64) if group_size.type != I64 else group_size
+    g_ahead = builder.udiv(builder.mul(ahead, ir.Constant(I64, weights_per_byte)), gs)
+    ahead = builder.select(wrap, builder.add(ahead, builder.mul(row_bytes, more)), ahead)
+    g_ahead = builder.select(wrap, builder.add(g_ahead, builder.mul(n_groups, more)), g_ahead)
+    targets = [builder.gep(r, [ahead]) for r in rows]
+    targets += [builder.bitcast(builder.gep(r, [g_ahead]), I8.as_pointer()) for r in param_rows]
+    i32 = ir.IntType(32)
+    for t in targets:
+        builder.call(fn, [t, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def declare_fma(builder: ir.IRBuilder):
     return declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F, V16F, V16F]))
 
