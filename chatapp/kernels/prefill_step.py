@@ -9,8 +9,8 @@ claims chunks of each phase from atomic counters, with a barrier at each phase's
 
     0. q, k, v rows     (a tile of ROW_TILE rows dequantised into cache-resident memory,
                          then multiplied with every token: the weight is read once per chunk)
-    1. causal attention, one (query head, token block) per claim, over the cache's rows read
-       in place plus the chunk's own rows (RoPE of the keys it reads included)
+    1. causal attention (prefill_attention.py), one (KV head, token block) per claim, over the
+       cache's rows read in place plus the chunk's own rows (RoPE of the keys it reads included)
     2. x += o_proj(attn)
     3. act = silu(gate(m)) * up(m)
     4. x += down(act)
@@ -28,9 +28,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
-from .decode_step import LINE, apply_rope, phase_barrier, phase_claim, phase_done, silu_mul
-from .half import kv_buffer, store_f32
+from .decode_step import LINE, phase_barrier, phase_claim, phase_done, silu_mul
+from .half import kv_buffer
 from .int8panel import (
     PANEL_ROWS,
     PANEL_TOKENS,
@@ -42,6 +41,7 @@ from .int8panel import (
     quantise_panel_tokens,
 )
 from .llvm import as_f32
+from .prefill_attention import chunk_attention
 
 # a bit of the prefill's ``fast`` beside decode_step's FAST_* (which decode_step does not read):
 # down_proj on 16-bit activations, two int8 planes (int8panel). On int8, its input silu(gate) x up,
@@ -49,7 +49,6 @@ from .llvm import as_f32
 # ~0.55x the int8 kernel's speed and ~2.3x the float tile's (BENCHMARKS.md)
 PREFILL_DOWN_WIDE = 16
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
-TOKEN_BLOCK = 16  # query tokens per attention claim
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -243,7 +242,6 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     unit = panel_unit(act_blk, group_size)
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
-    G = n_heads // n_kv_heads
     ka = n_heads * D
     # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream)
     xp_d, xp_a, xp_h = np.empty((T, dim), np.float32), np.empty((T, ka), np.float32), np.empty((T, hidden), np.float32)
@@ -273,57 +271,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
-    # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t. Each
-    # claim ropes the keys it reads into its own buffer (the raw keys stay shared and unchanged);
-    # the claim of each KV group's first head and last token block, which ropes them all,
-    # hands them to the caller.
-    n_blocks = (T + TOKEN_BLOCK - 1) // TOKEN_BLOCK
-    n_units = n_heads * n_blocks
-    s = np.empty(n_cached + T, np.float32)
-    o = np.empty(D, np.float32)
-    qr = np.empty(D, np.float32)
-    kr = np.empty((T, D), np.float32)
-    while True:
-        u = phase_claim(ctl, 1, n_units)
-        if u < 0:
-            break
-        h, blk = u // n_blocks, u % n_blocks
-        kh = h // G
-        t_end = min(T, (blk + 1) * TOKEN_BLOCK)
-        for j in range(t_end):
-            kr[j] = k_raw[j, kh * D:(kh + 1) * D]
-            apply_rope(kr[j], cos[j], sin[j], traditional)
-        if h % G == 0 and blk == n_blocks - 1:
-            for j in range(T):
-                kd, vd = k_out[j], v_out[j]
-                for e in range(D):
-                    store_f32(kd, kh * D + e, kr[j, e])
-                for e in range(D):
-                    store_f32(vd, kh * D + e, v_new[j, kh * D + e])
-        kc = head_rows(k_cache, kh, k_stride, n_cached, D)
-        vc = head_rows(v_cache, kh, v_stride, n_cached, D)
-        for t in range(blk * TOKEN_BLOCK, t_end):
-            qr[:] = q[t, h * D:(h + 1) * D]
-            apply_rope(qr, cos[t], sin[t], traditional)
-            if n_cached:
-                scores_full(qr, kc, scale, s[:n_cached])
-            for j in range(t + 1):
-                d = np.float32(0.0)
-                for e in range(D):
-                    d += qr[e] * kr[j, e]
-                s[n_cached + j] = d * scale
-            tot = softmax_inplace(s[:n_cached + t + 1])
-            o[:] = 0.0
-            if n_cached:
-                accumulate_full(s[:n_cached], vc, o)
-            for j in range(t + 1):
-                p = s[n_cached + j]
-                for e in range(D):
-                    o[e] += p * v_new[j, kh * D + e]
-            for e in range(D):
-                attn[t, h * D + e] = o[e] / tot
-        phase_done(ctl, 1)
-    phase_barrier(ctl, 1, n_units)
+    # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t
+    # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
+    chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn)
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)

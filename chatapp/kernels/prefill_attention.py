@@ -1,0 +1,258 @@
+"""Causal attention of a prefill chunk over the cache and itself, blocked like a GEMM.
+
+The first prefill kernel (prefill_step's phase 1 until this module) ran the decode's
+matrix-vector attention once per query: every (head, token) read all cached keys and values
+again, one dot product of D elements (a horizontal sum) per key. With SmolLM2 at 4,096 cached
+tokens that made the prefill's attention ~0.8 s of a 1.04 s 128-token chunk (22 GFLOP/s a
+core), behind llama.cpp's whole chunk.
+
+Here one claim is a KV head and a block of QBLOCK chunk tokens: its G query heads x QBLOCK
+tokens form M = G x QBLOCK query lanes, the queries transposed ([D, M], lanes contiguous), and
+the keys go by in blocks of KBLOCK rows (flash attention's online softmax):
+
+    S^T [n, m] = K_block [n, :] . Q^T [:, m]        (scores, queries in lanes)
+    running max / sum per lane, P^T = exp(S^T - max) in place, O^T *= correction
+    O^T [e, m] += sum_n V_block [n, e] P^T [n, m]
+
+Both products are one micro-kernel (``outer4x32``): 4 broadcast scalars of A times two
+16-lane vectors of B per reduction step, 8 accumulators in registers (6 loads per 8 FMAs, no
+horizontal sums), and every per-lane step of the softmax runs across contiguous lanes, which
+the vectoriser turns into SIMD code. Each K/V block is converted once into float32 scratch
+(the cache holds float32 or float16 bits), then read by all M queries from L1/L2.
+
+The sums run in another order than the per-query kernel (and the softmax's max moves per
+block), so results equal it to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from .attention import fast_exp, head_rows
+from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
+from .half import store_f32
+from .llvm import as_f32
+from .simd import V16F, declare_fma, splat, vload
+
+I64 = ir.IntType(64)
+LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
+A_ROWS = 4  # broadcast rows per micro-kernel call
+QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
+KBLOCK = 64  # key rows per block: S^T [64, M] and the K/V blocks stay in L2 (7B: M = 32, D = 128)
+_NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a NaN
+
+
+@intrinsic
+def outer4x32(typingctx, a, a_off, a_si, a_sr, b, b_off, b_sr, c, c_off, c_si, r_len, accumulate):
+    """c[i, 0:32] (= or +=) sum_r a[i, r] * b[r, 0:32] for i < 4, on flat float32 arrays:
+
+    a[i, r] at a[a_off + i * a_si + r * a_sr] (broadcast scalars), b[r, 0:32] the 32 contiguous
+    floats at b[b_off + r * b_sr], c[i, 0:32] at c[c_off + i * c_si]; r < r_len. The 8
+    accumulators (4 rows x 2 vectors) stay in registers for the whole reduction."""
+    f32_1d = types.Array(types.float32, 1, "C")
+    if not all(t == f32_1d for t in (a, b, c)):
+        return None
+    ints = (a_off, a_si, a_sr, b_off, b_sr, c_off, c_si, r_len, accumulate)
+    if not all(isinstance(t, types.Integer) for t in ints):
+        return None
+
+    def codegen(context, builder, signature, args):
+        aa, ba, ca = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 4, 7))
+        a_off_, a_si_, a_sr_, b_off_, b_sr_, c_off_, c_si_, r_len_, acc_flag = (
+            context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2, 3, 5, 6, 8, 9, 10, 11))
+        fma = declare_fma(builder)
+        zero = ir.Constant(V16F, [0.0] * 16)
+        entry = builder.block
+        loop = builder.append_basic_block("outer.loop")
+        done = builder.append_basic_block("outer.done")
+        builder.cbranch(builder.icmp_signed(">", r_len_, ir.Constant(I64, 0)), loop, done)
+
+        builder.position_at_end(loop)
+        r = builder.phi(I64)
+        r.add_incoming(ir.Constant(I64, 0), entry)
+        accs = []
+        for _ in range(2 * A_ROWS):
+            p = builder.phi(V16F)
+            p.add_incoming(zero, entry)
+            accs.append(p)
+        a_r = builder.add(a_off_, builder.mul(r, a_sr_))
+        b_r = builder.add(b_off_, builder.mul(r, b_sr_))
+        b0 = vload(builder, ba.data, b_r, V16F)
+        b1 = vload(builder, ba.data, builder.add(b_r, ir.Constant(I64, 16)), V16F)
+        new = []
+        for i in range(A_ROWS):
+            ai = builder.load(builder.gep(aa.data, [builder.add(a_r, builder.mul(a_si_, ir.Constant(I64, i)))]))
+            s = splat(builder, ai, V16F)
+            new.append(builder.call(fma, [s, b0, accs[2 * i]]))
+            new.append(builder.call(fma, [s, b1, accs[2 * i + 1]]))
+        nxt = builder.add(r, ir.Constant(I64, 1))
+        r.add_incoming(nxt, builder.block)
+        for p, v in zip(accs, new):
+            p.add_incoming(v, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, r_len_), loop, done)
+
+        builder.position_at_end(done)
+        finals = []
+        for v in new:
+            f = builder.phi(V16F)
+            f.add_incoming(zero, entry)
+            f.add_incoming(v, loop)
+            finals.append(f)
+        add = builder.icmp_signed("!=", acc_flag, ir.Constant(I64, 0))
+        for i in range(A_ROWS):
+            row = builder.add(c_off_, builder.mul(c_si_, ir.Constant(I64, i)))
+            for j in range(2):
+                idx = builder.add(row, ir.Constant(I64, 16 * j))
+                ptr = builder.bitcast(builder.gep(ca.data, [idx]), V16F.as_pointer())
+                old = builder.load(ptr, align=1)
+                val = builder.select(add, builder.fadd(finals[2 * i + j], old), finals[2 * i + j])
+                builder.store(val, ptr, align=1)
+        return context.get_dummy_value()
+
+    sig = types.void(a, types.int64, types.int64, types.int64, b, types.int64, types.int64, c, types.int64,
+                     types.int64, types.int64, types.int64)
+    return sig, codegen
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb):  # pragma: no cover - jitted
+    """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [cache rows | chunk rows] as float32,
+    rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads 4 key rows)."""
+    for i in range(nb):
+        n = n0 + i
+        if n < n_cached:
+            for e in range(D):
+                kb[i * D + e] = as_f32(kc[n, e])
+            for e in range(D):
+                vb[i * D + e] = as_f32(vc[n, e])
+        else:
+            j = n - n_cached
+            for e in range(D):
+                kb[i * D + e] = kr[j, e]
+            for e in range(D):
+                vb[i * D + e] = v_new[j, v_col + e]
+    nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
+    for i in range(nb * D, nb4 * D):
+        kb[i] = 0.0
+        vb[i] = 0.0
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D):  # pragma: no cover - jitted
+    """Mask scores of chunk keys after their query, fold the block into the running max and
+    sum of each lane (rescaling O^T when the max moves) and leave P^T = exp(S^T - max) in st."""
+    if n0 + nb > n_cached + t0 + 1:  # some chunk key here lies after some query: mask those
+        for i in range(nb):
+            j = n0 + i - n_cached
+            if j > t0:
+                for m in range(M):
+                    if j > lane_t[m]:
+                        st[i * M + m] = _NEG
+    new_max = np.empty(M, np.float32)
+    for m in range(M):
+        new_max[m] = run_max[m]
+    for i in range(nb):
+        for m in range(M):
+            new_max[m] = max(new_max[m], st[i * M + m])
+    corr = np.empty(M, np.float32)
+    for m in range(M):
+        corr[m] = fast_exp(run_max[m] - new_max[m])
+        run_max[m] = new_max[m]
+        run_sum[m] *= corr[m]
+    for e in range(D):
+        for m in range(M):
+            ot[e * M + m] *= corr[m]
+    for i in range(nb):
+        for m in range(M):
+            p = fast_exp(st[i * M + m] - new_max[m])
+            st[i * M + m] = p
+            run_sum[m] += p
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn):  # pragma: no cover - jitted
+    """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
+    scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
+    ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
+    before RoPE); k_cache / v_cache flat cache buffers (head_rows), float32 or float16 bits.
+    The claim of each KV head's last token block ropes all T keys and hands them, with the
+    values, to k_out / v_out (the cache's dtype) for the caller to append."""
+    T = q.shape[0]
+    D = cos.shape[1] * 2
+    G = n_heads // n_kv_heads
+    M = G * QBLOCK
+    n_blocks = (T + QBLOCK - 1) // QBLOCK
+    n_units = n_kv_heads * n_blocks
+    qt = np.empty(D * M, np.float32)
+    ot = np.empty(D * M, np.float32)
+    st = np.empty(KBLOCK * M, np.float32)
+    kb = np.empty(KBLOCK * D, np.float32)
+    vb = np.empty(KBLOCK * D, np.float32)
+    kr = np.empty((T, D), np.float32)
+    qr = np.empty(D, np.float32)
+    lane_t = np.empty(M, np.int64)
+    run_max = np.empty(M, np.float32)
+    run_sum = np.empty(M, np.float32)
+    while True:
+        u = phase_claim(ctl, phase, n_units)
+        if u < 0:
+            break
+        kh, blk = u // n_blocks, u % n_blocks
+        t0 = blk * QBLOCK
+        t_end = min(T, t0 + QBLOCK)
+        for j in range(t_end):
+            kr[j] = k_raw[j, kh * D:(kh + 1) * D]
+            apply_rope(kr[j], cos[j], sin[j], traditional)
+        if blk == n_blocks - 1:
+            for j in range(T):
+                kd, vd = k_out[j], v_out[j]
+                for e in range(D):
+                    store_f32(kd, kh * D + e, kr[j, e])
+                for e in range(D):
+                    store_f32(vd, kh * D + e, v_new[j, kh * D + e])
+        # Q^T: lane g * QBLOCK + i holds head kh * G + g at token t0 + i (zeros past the chunk,
+        # which see every key: no lane's row is ever all masked)
+        for g in range(G):
+            h = kh * G + g
+            for i in range(QBLOCK):
+                m = g * QBLOCK + i
+                t = t0 + i
+                lane_t[m] = t
+                if t < T:
+                    qr[:] = q[t, h * D:(h + 1) * D]
+                    apply_rope(qr, cos[t], sin[t], traditional)
+                    for e in range(D):
+                        qt[e * M + m] = qr[e] * scale
+                else:
+                    for e in range(D):
+                        qt[e * M + m] = 0.0
+        ot[:] = 0.0
+        run_max[:] = _NEG
+        run_sum[:] = 0.0
+        kc = head_rows(k_cache, kh, k_stride, n_cached, D)
+        vc = head_rows(v_cache, kh, v_stride, n_cached, D)
+        n_keys = n_cached + t_end
+        for n0 in range(0, n_keys, KBLOCK):
+            nb = min(KBLOCK, n_keys - n0)
+            _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb, vb)
+            nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
+            for mc in range(0, M, LANES):
+                for i in range(0, nb4, A_ROWS):
+                    outer4x32(kb, i * D, D, 1, qt, mc, M, st, i * M + mc, M, D, 0)
+            _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
+            for mc in range(0, M, LANES):
+                for e in range(0, D, A_ROWS):
+                    outer4x32(vb, e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)
+        for g in range(G):
+            h = kh * G + g
+            for i in range(t_end - t0):
+                m = g * QBLOCK + i
+                inv = np.float32(1.0) / run_sum[m]
+                for e in range(D):
+                    attn[t0 + i, h * D + e] = ot[e * M + m] * inv
+        phase_done(ctl, phase)
+    phase_barrier(ctl, phase, n_units)

@@ -1,0 +1,108 @@
+"""The prefill chunk's blocked causal attention (kernels/prefill_attention.py) against a plain
+numpy softmax(QK^T)V over [cache | chunk], and its micro-kernel against numpy's matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from numba import njit  # noqa: E402
+
+from chatapp.kernels.attention import heads_view  # noqa: E402
+from chatapp.kernels.decode_step import LINE  # noqa: E402
+from chatapp.kernels.prefill_attention import KBLOCK, QBLOCK, chunk_attention, outer4x32  # noqa: E402
+from chatapp.kernels.prefill_step import rope_table  # noqa: E402
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, traditional: bool) -> np.ndarray:
+    """x [T, D] rotated per position, as decode_step.apply_rope does."""
+    out = x.copy()
+    if traditional:
+        a, b = x[:, 0::2], x[:, 1::2]
+        out[:, 0::2], out[:, 1::2] = a * cos - b * sin, a * sin + b * cos
+    else:
+        h = x.shape[1] // 2
+        a, b = x[:, :h], x[:, h:]
+        out[:, :h], out[:, h:] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def _reference(q, k_raw, v_new, k_cache, v_cache, cos, sin, traditional, heads, kv_heads, scale):
+    T, D = q.shape[0], cos.shape[1] * 2
+    n_cached = k_cache.shape[1]
+    G = heads // kv_heads
+    out = np.zeros((T, heads * D), np.float64)
+    for h in range(heads):
+        kh = h // G
+        qh = _rope(q[:, h * D:(h + 1) * D], cos, sin, traditional).astype(np.float64)
+        kc = np.concatenate([k_cache[kh].astype(np.float64),
+                             _rope(k_raw[:, kh * D:(kh + 1) * D], cos, sin, traditional)])
+        vc = np.concatenate([v_cache[kh].astype(np.float64), v_new[:, kh * D:(kh + 1) * D]])
+        s = scale * qh @ kc.T
+        s[np.arange(n_cached + T)[None, :] > n_cached + np.arange(T)[:, None]] = -np.inf
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h * D:(h + 1) * D] = (p / p.sum(axis=1, keepdims=True)) @ vc
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n_cached=st.integers(0, 3 * KBLOCK + 5), tokens=st.integers(1, 2 * QBLOCK + 3),
+       shape=st.sampled_from([(4, 4, 32), (9, 3, 64), (2, 1, 128), (6, 2, 16)]), half=st.booleans(),
+       traditional=st.booleans(), seed=st.integers(0, 2**16))
+@example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1)
+def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed):
+    heads, kv_heads, D = shape
+    rng = np.random.default_rng(seed)
+    dt = np.float16 if half else np.float32
+    capacity = n_cached + 7  # rows past n_cached are never read: fill them with NaN
+    k_buf = np.full((kv_heads, capacity, D), np.nan, dt)
+    v_buf = np.full((kv_heads, capacity, D), np.nan, dt)
+    k_buf[:, :n_cached] = rng.normal(0, 1, (kv_heads, n_cached, D))
+    v_buf[:, :n_cached] = rng.normal(0, 1, (kv_heads, n_cached, D))
+    q = rng.normal(0, 1, (tokens, heads * D)).astype(np.float32)
+    k_raw = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
+    v_new = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    cos, sin = rope_table(n_cached, tokens, inv_freq)
+    k_out = np.zeros((tokens, kv_heads * D), dt)
+    v_out = np.zeros((tokens, kv_heads * D), dt)
+    attn = np.full((tokens, heads * D), np.nan, np.float32)
+    (kf, ks), (vf, vs) = heads_view(k_buf.view(np.uint16) if half else k_buf), \
+        heads_view(v_buf.view(np.uint16) if half else v_buf)
+    ctl = np.zeros(2 * LINE * 2, np.int64)
+    scale = np.float32(D ** -0.5)
+    chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, heads, kv_heads, kf, ks, vf, vs, n_cached,
+                    scale, k_out.view(np.uint16) if half else k_out, v_out.view(np.uint16) if half else v_out, attn)
+    want = _reference(q, k_raw, v_new, k_buf[:, :n_cached], v_buf[:, :n_cached], cos, sin, traditional, heads,
+                      kv_heads, scale)
+    np.testing.assert_allclose(attn, want, rtol=0, atol=2e-5)
+    roped = np.concatenate([_rope(k_raw[:, g * D:(g + 1) * D], cos, sin, traditional) for g in range(kv_heads)], 1)
+    np.testing.assert_allclose(k_out.astype(np.float32), roped.astype(dt).astype(np.float32), rtol=0, atol=1e-3)
+    np.testing.assert_array_equal(v_out, v_new.astype(dt))
+
+
+@njit
+def _outer(a, a_si, a_sr, b, c, r_len, accumulate):  # pragma: no cover - jitted
+    outer4x32(a, 0, a_si, a_sr, b, 3, 40, c, 57, 50, r_len, accumulate)
+
+
+@settings(max_examples=20, deadline=None)
+@given(r_len=st.integers(0, 70), a_transposed=st.booleans(), accumulate=st.booleans(), seed=st.integers(0, 2**16))
+def test_outer4x32_equals_matmul(r_len, a_transposed, accumulate, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.normal(0, 1, (4, r_len)).astype(np.float32)
+    b = rng.normal(0, 1, (r_len, 40)).astype(np.float32)  # 40 columns: the kernel reads 32 of them from 3
+    c = rng.normal(0, 1, (6, 50)).astype(np.float32)
+    flat_a = np.ascontiguousarray(a.T if a_transposed else a).reshape(-1)
+    a_si, a_sr = (1, 4) if a_transposed else (r_len, 1)
+    want = c.copy()
+    got = c.copy()
+    prod = a.astype(np.float64) @ b[:, 3:35]
+    want[1:5, 7:39] = want[1:5, 7:39] + prod if accumulate else prod
+    _outer(flat_a if flat_a.size else np.zeros(1, np.float32), a_si, a_sr,
+           b.reshape(-1) if b.size else np.zeros(1, np.float32), got.reshape(-1), r_len, int(accumulate))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
