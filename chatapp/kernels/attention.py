@@ -21,12 +21,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .llvm import as_f32, byte_to_f32, exp2_int, hi_nibble, lo_nibble
+from .llvm import as_f32, byte_to_f32, exp2_int, hi_nibble, lo_nibble, prefetch
 from .pool import chunk_done, claim
 
 _LOG2E = np.float32(1.4426950408889634)
 _C1 = np.float32(0.693359375)
 _C2 = np.float32(-2.12194440e-4)
+# how far ahead the single-query kernels ask for K/V rows: one thread streaming a head's rows
+# from DRAM keeps too few misses in flight by the hardware prefetchers alone (the row kernels'
+# finding, rows4.py)
+PREFETCH_BYTES = 2048
 
 
 @njit(fastmath=True, inline="always", cache=True)
@@ -48,7 +52,11 @@ def fast_exp(x):  # pragma: no cover - jitted
 def scores_full(q, k, scale, s):  # pragma: no cover - jitted
     """s[n] = scale * q . k[n] for q [D], k [N, D] (float32, or float16 bits as uint16)."""
     D = q.shape[0]
+    ahead = PREFETCH_BYTES // k.itemsize
+    line = 64 // k.itemsize
     for n in range(k.shape[0]):
+        for j in range(0, D, line):
+            prefetch(k, n * D + ahead + j)
         d = np.float32(0.0)
         for j in range(D):
             d += q[j] * as_f32(k[n, j])
@@ -99,7 +107,11 @@ def softmax_inplace(s):  # pragma: no cover - jitted
 def accumulate_full(p, v, o):  # pragma: no cover - jitted
     """o += sum_n p[n] * v[n] for v [N, D] (float32, or float16 bits as uint16)."""
     D = o.shape[0]
+    ahead = PREFETCH_BYTES // v.itemsize
+    line = 64 // v.itemsize
     for n in range(v.shape[0]):
+        for j in range(0, D, line):
+            prefetch(v, n * D + ahead + j)
         w = p[n]
         for j in range(D):
             o[j] += w * as_f32(v[n, j])

@@ -108,3 +108,24 @@ def atomic_add(typingctx, arr, idx, val):
         return builder.atomic_rmw("add", ptr, args[2], "seq_cst")
 
     return types.int64(arr, types.intp, types.int64), codegen
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """A read hint for element ``idx`` of a C-contiguous array's data (flat index; no bounds:
+    a prefetch never faults, and past the end it only wastes a fetch)."""
+    if not (isinstance(arr, types.Array) and arr.layout == "C" and isinstance(idx, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i = context.cast(builder, args[1], signature.args[1], types.intp)
+        i8p = I8.as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = builder.module.globals.get("llvm.prefetch.p0i8") or ir.Function(builder.module, fnty, "llvm.prefetch.p0i8")
+        ptr = builder.bitcast(builder.gep(ary.data, [i]), i8p)
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(arr, idx), codegen
