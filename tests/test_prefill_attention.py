@@ -14,7 +14,8 @@ from numba import njit  # noqa: E402
 
 from chatapp.kernels.attention import heads_view  # noqa: E402
 from chatapp.kernels.decode_step import LINE  # noqa: E402
-from chatapp.kernels.prefill_attention import KBLOCK, QBLOCK, chunk_attention, outer4x32  # noqa: E402
+from chatapp.kernels.microkernels import outer4x32  # noqa: E402
+from chatapp.kernels.prefill_attention import KBLOCK, QBLOCK, chunk_attention  # noqa: E402
 from chatapp.kernels.prefill_step import rope_table  # noqa: E402
 
 

@@ -177,7 +177,9 @@ class FusedDecoder:
         self._k = np.empty(kd, np.float32)
         self._v = np.empty(kd, np.float32)
         self._k_out = np.empty(kd, np.float32)
-        self._attn = np.empty(hd, np.float32)
+        from chatapp.kernels.group_attention import part_size
+
+        self._part = np.empty(part_size(self.n_heads, self.n_kv_heads, self.head_dim), np.float32)
         self._act = np.empty(hidden, np.float32)
         # what token_step takes: the weights as typed lists (built once, by cached code), norms
         # and bits stacked
@@ -325,7 +327,7 @@ class FusedDecoder:
         pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
-                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._attn, self._act,
+                         n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._part, self._act,
                          self.fast_mask, write, _kv_like(caches))
         k_new = v_new = None
         for i, c in enumerate(caches):

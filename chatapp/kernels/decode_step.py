@@ -18,7 +18,8 @@ caller never waits for a thread that has not started. The norms and the even/odd
 projection's input are recomputed by each thread into its own buffers (hundreds of elements)
 rather than shared, which would need one more barrier each.
 
-Attention reads the cache's rows [0, n) in place plus the new row from ``k_new``/``v_new``.
+Attention reads the cache's rows [0, n) in place plus the new row from ``k_new``/``v_new``: a
+KV head's query heads together, over splits of the keys (group_attention.py).
 The new K/V rows are written into the cache buffers in place (row n, by address) for the layers
 the caller allows (``write_kv``: rows that exist and that no view handed out of the buffers
 covers, see cache/buffers.py ``FullBuffer.writable_in_place``); for the others the caller
@@ -35,10 +36,11 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-from .attention import accumulate_full, head_rows, scores_full, softmax_inplace
+from .group_attention import SLOT, attend_split, merge_splits, n_splits
 from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, quantise_lanes
 from .llvm import as_f32, atomic_add
+from .microkernels import A_ROWS
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
@@ -186,7 +188,7 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, attn, act, fast=0, write_kv=0):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, part, act, fast=0, write_kv=0):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -197,8 +199,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     Outputs: k_out (the new keys, roped) and v_new
     [kv_heads * D]; with ``write_kv`` they are also written into the cache buffers at row
     n_cached (the caller made room and checked that no view handed out covers that row), else
-    the caller appends them. q, k_new (before RoPE) [heads * D], attn [heads * D] and act
-    [hidden] are shared scratch."""
+    the caller appends them. q, k_new (before RoPE) [heads * D], part
+    [group_attention.part_size floats] (the attention's per-split partials) and act [hidden] are
+    shared scratch."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -240,43 +243,45 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n1)
 
-    # 2. attention, one query head per chunk, over the cached rows and the new one
-    s = np.empty(n_cached + 1, np.float32)
-    o = np.empty(D, np.float32)
+    # 2. attention: units of (KV head, key split) (group_attention.py), each leaving partials
+    # of its G heads in the shared ``part``, merged by every thread after the barrier
+    n_keys = n_cached + 1
+    S = n_splits(n_kv_heads, n_keys)
+    n_units = n_kv_heads * S
+    per = (n_keys + S - 1) // S
+    G4 = (G + A_ROWS - 1) // A_ROWS * A_ROWS
+    L = per + 1
+    s = np.empty(G4 * L, np.float32)
+    o = np.empty(G4 * D, np.float32)
+    qg = np.empty(G * D, np.float32)
     kr = np.empty(D, np.float32)
-    qr = np.empty(D, np.float32)
     while True:
-        h = phase_claim(ctl, 1, n_heads)
-        if h < 0:
+        u = phase_claim(ctl, 1, n_units)
+        if u < 0:
             break
-        kh = h // G
+        kh, sp = u // S, u % S
         kr[:] = k_new[kh * D:(kh + 1) * D]
         apply_rope(kr, cos, sin, traditional)
-        qr[:] = q[h * D:(h + 1) * D]
-        apply_rope(qr, cos, sin, traditional)
-        if n_cached:
-            scores_full(qr, head_rows(k_cache, kh, k_stride, n_cached, D), scale, s[:n_cached])
-        d = np.float32(0.0)
-        for j in range(D):
-            d += qr[j] * kr[j]
-        s[n_cached] = d * scale
-        tot = softmax_inplace(s)
-        o[:] = 0.0
-        if n_cached:
-            accumulate_full(s[:n_cached], head_rows(v_cache, kh, v_stride, n_cached, D), o)
-        p = s[n_cached]
-        for j in range(D):
-            attn[h * D + j] = (o[j] + p * v_new[kh * D + j]) / tot
-        if h % G == 0:  # one head per KV group hands the roped key back for the cache
+        for g in range(G):
+            h = kh * G + g
+            qg[g * D:(g + 1) * D] = q[h * D:(h + 1) * D]
+            apply_rope(qg[g * D:(g + 1) * D], cos, sin, traditional)
+        a = sp * per
+        b = min(n_keys, a + per)
+        attend_split(qg, G, D, k_cache, kh * k_stride, v_cache, kh * v_stride, a, min(b, n_cached),
+                     kr, v_new[kh * D:(kh + 1) * D], b == n_keys, scale, s, L, o, part, u * G * (D + SLOT))
+        if sp == S - 1:  # the unit with the new key hands it back (roped) for the cache
             k_out[kh * D:(kh + 1) * D] = kr
-            if write_kv:  # and writes the new row in place (the other heads read rows < n_cached)
+            if write_kv:  # and writes the new row in place (every unit reads rows < n_cached)
                 kb, vb = kh * k_stride + n_cached * D, kh * v_stride + n_cached * D
                 for j in range(D):
                     store_f32(k_cache, kb + j, kr[j])
                 for j in range(D):
                     store_f32(v_cache, vb + j, v_new[kh * D + j])
         phase_done(ctl, 1)
-    phase_barrier(ctl, 1, n_heads)
+    phase_barrier(ctl, 1, n_units)
+    attn = np.empty(n_heads * D, np.float32)
+    merge_splits(part, n_heads, n_kv_heads, S, D, attn)
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
@@ -327,7 +332,7 @@ CTL_SIZE = 2 * LINE * PHASES
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, attn, act, fast, write_kv, kv_like):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -347,7 +352,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
-                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], attn, act, fast[layer],
+                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
                    write_kv[layer])
 
 

@@ -14,7 +14,7 @@ the keys go by in blocks of KBLOCK rows (flash attention's online softmax):
     running max / sum per lane, P^T = exp(S^T - max) in place, O^T *= correction
     O^T [e, m] += sum_n V_block [n, e] P^T [n, m]
 
-Both products are one micro-kernel (``outer4x32``): 4 broadcast scalars of A times two
+Both products are one micro-kernel (``microkernels.outer4x32``): 4 broadcast scalars of A times two
 16-lane vectors of B per reduction step, 8 accumulators in registers (6 loads per 8 FMAs, no
 horizontal sums), and every per-lane step of the softmax runs across contiguous lanes, which
 the vectoriser turns into SIMD code. Each K/V block is converted once into float32 scratch
@@ -27,94 +27,18 @@ block), so results equal it to float32 rounding, not bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
 from .attention import fast_exp, head_rows
 from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
-from .simd import V16F, declare_fma, splat, vload
+from .microkernels import A_ROWS, outer4x32
 
-I64 = ir.IntType(64)
 LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
-A_ROWS = 4  # broadcast rows per micro-kernel call
 QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
 KBLOCK = 64  # key rows per block: S^T [64, M] and the K/V blocks stay in L2 (7B: M = 32, D = 128)
 _NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a NaN
-
-
-@intrinsic
-def outer4x32(typingctx, a, a_off, a_si, a_sr, b, b_off, b_sr, c, c_off, c_si, r_len, accumulate):
-    """c[i, 0:32] (= or +=) sum_r a[i, r] * b[r, 0:32] for i < 4, on flat float32 arrays:
-
-    a[i, r] at a[a_off + i * a_si + r * a_sr] (broadcast scalars), b[r, 0:32] the 32 contiguous
-    floats at b[b_off + r * b_sr], c[i, 0:32] at c[c_off + i * c_si]; r < r_len. The 8
-    accumulators (4 rows x 2 vectors) stay in registers for the whole reduction."""
-    f32_1d = types.Array(types.float32, 1, "C")
-    if not all(t == f32_1d for t in (a, b, c)):
-        return None
-    ints = (a_off, a_si, a_sr, b_off, b_sr, c_off, c_si, r_len, accumulate)
-    if not all(isinstance(t, types.Integer) for t in ints):
-        return None
-
-    def codegen(context, builder, signature, args):
-        aa, ba, ca = (context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 4, 7))
-        a_off_, a_si_, a_sr_, b_off_, b_sr_, c_off_, c_si_, r_len_, acc_flag = (
-            context.cast(builder, args[i], signature.args[i], types.int64) for i in (1, 2, 3, 5, 6, 8, 9, 10, 11))
-        fma = declare_fma(builder)
-        zero = ir.Constant(V16F, [0.0] * 16)
-        entry = builder.block
-        loop = builder.append_basic_block("outer.loop")
-        done = builder.append_basic_block("outer.done")
-        builder.cbranch(builder.icmp_signed(">", r_len_, ir.Constant(I64, 0)), loop, done)
-
-        builder.position_at_end(loop)
-        r = builder.phi(I64)
-        r.add_incoming(ir.Constant(I64, 0), entry)
-        accs = []
-        for _ in range(2 * A_ROWS):
-            p = builder.phi(V16F)
-            p.add_incoming(zero, entry)
-            accs.append(p)
-        a_r = builder.add(a_off_, builder.mul(r, a_sr_))
-        b_r = builder.add(b_off_, builder.mul(r, b_sr_))
-        b0 = vload(builder, ba.data, b_r, V16F)
-        b1 = vload(builder, ba.data, builder.add(b_r, ir.Constant(I64, 16)), V16F)
-        new = []
-        for i in range(A_ROWS):
-            ai = builder.load(builder.gep(aa.data, [builder.add(a_r, builder.mul(a_si_, ir.Constant(I64, i)))]))
-            s = splat(builder, ai, V16F)
-            new.append(builder.call(fma, [s, b0, accs[2 * i]]))
-            new.append(builder.call(fma, [s, b1, accs[2 * i + 1]]))
-        nxt = builder.add(r, ir.Constant(I64, 1))
-        r.add_incoming(nxt, builder.block)
-        for p, v in zip(accs, new):
-            p.add_incoming(v, builder.block)
-        builder.cbranch(builder.icmp_signed("<", nxt, r_len_), loop, done)
-
-        builder.position_at_end(done)
-        finals = []
-        for v in new:
-            f = builder.phi(V16F)
-            f.add_incoming(zero, entry)
-            f.add_incoming(v, loop)
-            finals.append(f)
-        add = builder.icmp_signed("!=", acc_flag, ir.Constant(I64, 0))
-        for i in range(A_ROWS):
-            row = builder.add(c_off_, builder.mul(c_si_, ir.Constant(I64, i)))
-            for j in range(2):
-                idx = builder.add(row, ir.Constant(I64, 16 * j))
-                ptr = builder.bitcast(builder.gep(ca.data, [idx]), V16F.as_pointer())
-                old = builder.load(ptr, align=1)
-                val = builder.select(add, builder.fadd(finals[2 * i + j], old), finals[2 * i + j])
-                builder.store(val, ptr, align=1)
-        return context.get_dummy_value()
-
-    sig = types.void(a, types.int64, types.int64, types.int64, b, types.int64, types.int64, c, types.int64,
-                     types.int64, types.int64, types.int64)
-    return sig, codegen
 
 
 @njit(fastmath=True, nogil=True, cache=True)
