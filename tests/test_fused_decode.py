@@ -13,21 +13,15 @@ pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Li
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cache import CacheSettings, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
+from cache import CacheSettings, install_attention, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder, fused_unsupported, is_fused  # noqa: E402
 from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
+from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
 
 # SmolLM2-135M's layer geometry (576 wide, 9 heads of 64 over 3 KV heads, MLP 1536), 2 layers
 SMOL = LlamaShape(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
                   head_dim=64, intermediate_size=1536, vocab_size=640, rope_theta=100000.0)
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_kernels():
-    yield
-    set_decode_kernels(None, None)
-    set_prefill_kernel(None)
 
 
 def _model(bits=4, group_size=32, tied=True, traditional=True, seed=0, shape=SMOL, embed_bits=8):

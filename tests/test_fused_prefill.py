@@ -17,11 +17,9 @@ from cache import CacheSettings, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
-from chatapp.model.synthetic import LlamaShape  # noqa: E402
-from tests.test_fused_decode import SMOL, _close, _model, _no_leftover_kernels  # noqa: E402, F401
-
-SMALL = LlamaShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=256, vocab_size=256)
+from tests.fused_llama import SHAPE as SMALL  # noqa: E402
+from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
+from tests.test_fused_decode import SMOL, _close, _model  # noqa: E402
 
 
 def _prefill(model, history: list[int], chunk: list[int], mode: str = "prealloc"):

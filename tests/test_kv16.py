@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
-from cache import CacheSettings, convert_caches, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
+from cache import CacheSettings, convert_caches, make_caches  # noqa: E402
 from cache.buffers import FullBuffer  # noqa: E402
 from cache.factory import restore_caches  # noqa: E402
 from chatapp.backend import fused_decode  # noqa: E402
@@ -26,27 +26,12 @@ from chatapp.kernels import half  # noqa: E402
 from chatapp.kernels.attention import attend_full, heads_view  # noqa: E402
 from chatapp.kernels.half import store_f32  # noqa: E402
 from chatapp.kernels.pool import chunks, pool  # noqa: E402
-from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
-
-SHAPE = LlamaShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=256, vocab_size=256)
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_kernels():
-    yield
-    set_decode_kernels(None, None)
-    set_prefill_kernel(None)
+from tests.fused_llama import _no_leftover_kernels, fused_small_llama, small_llama  # noqa: E402, F401
 
 
 def _model(kv_dtype: str | None, seed: int = 3):
     """The random Llama, fused with ``kv_dtype`` K/V (None: not fused, MLX's own step)."""
-    m, _ = build_random_llama(SHAPE, seed=seed, quantize_bits=4, group_size=32)
-    mx.eval(m.parameters())
-    install_attention(m)
-    if kv_dtype is not None:
-        apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype=kv_dtype)
-    return m
+    return small_llama(seed) if kv_dtype is None else fused_small_llama(seed, kv_dtype=kv_dtype)
 
 
 def _close(a, b, tol=2e-3) -> bool:

@@ -13,32 +13,16 @@ pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Li
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from cache import CacheSettings, install_attention, make_caches, set_decode_kernels, set_prefill_kernel  # noqa: E402
+from cache import CacheSettings, make_caches  # noqa: E402
 from cache.buffers import FullBuffer  # noqa: E402
-from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder  # noqa: E402
-from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
-
-SHAPE = LlamaShape(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=32, intermediate_size=256, vocab_size=256)
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_kernels():
-    yield
-    set_decode_kernels(None, None)
-    set_prefill_kernel(None)
+from tests.fused_llama import _no_leftover_kernels, clear_kernels, fused_small_llama  # noqa: E402, F401
 
 
 @pytest.fixture(scope="module")
 def model():
-    m, _ = build_random_llama(SHAPE, seed=3, quantize_bits=4, group_size=32)
-    mx.eval(m.parameters())
-    install_attention(m)
-    apply_fast_path(m, backend="cpu", warm_up=False)
-    yield m
-    set_decode_kernels(None, None)
-    set_prefill_kernel(None)
+    yield fused_small_llama()
+    clear_kernels()
 
 
 def _row(n: int) -> tuple[mx.array, mx.array]:
