@@ -121,6 +121,27 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
 
 
 @async_test
+async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_try(stories4_path, stories_path,
+                                                                                   monkeypatch):
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press("f12")
+        dialog = app.screen
+        assert isinstance(dialog, ModelDialog)
+        monkeypatch.setattr(app, "_refuse_busy", lambda what: True)  # as while a reply streams
+        dialog.query_one("#model-input").value = str(stories_path)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not dialog.loading and "not switched" in await screen_text(pilot)
+        monkeypatch.undo()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading),
+                         what="the switch")
+        assert app.model_dialog is None and app.model_id.endswith("stories260K")
+
+
+@async_test
 async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stories4_path, stories_path, tmp_path):
     app = make_app(stories4_path)
     async with app.run_test(size=(100, 30)) as pilot:

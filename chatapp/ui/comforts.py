@@ -192,6 +192,9 @@ class ComfortActions:
     def switch_model(self, spec: str) -> None:
         """Load ``spec`` and move the conversation onto it (engine thread); the old model stays on failure."""
         if self._refuse_busy("switch model"):
+            dialog = self.model_dialog
+            if dialog is not None and dialog.is_attached:  # let the dialog take another Enter
+                dialog.failed("not switched: wait for the reply to finish (Esc stops it), then press Enter again")
             return
         self.submit(SwitchModel(spec))
         self.request_info()
