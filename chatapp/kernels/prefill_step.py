@@ -219,7 +219,7 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, v_new, k_out, v_out, attn, act, fast=0, act_block=0):  # pragma: no cover - jitted
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, fast=0, act_block=0):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
@@ -228,7 +228,9 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     Outputs: k_out (roped) and v_out [T, kv_heads * D] for the caller to append, in the cache's
     dtype (float32, or float16 bits as uint16); q [T, heads * D], k_raw and v_new
     [T, kv_heads * D] (keys before RoPE, values: float32, what the chunk's own attention reads),
-    attn [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
+    attn [T, heads * D], act [T, hidden] are shared scratch; xbuf (float32, T * max(dim, heads * D,
+    hidden) elements) this thread's own, which holds each phase's permuted input in turn (see
+    ``prefill_scratch``). fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
@@ -243,8 +245,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
     ka = n_heads * D
-    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream)
-    xp_d, xp_a, xp_h = np.empty((T, dim), np.float32), np.empty((T, ka), np.float32), np.empty((T, hidden), np.float32)
+    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream), all in
+    # xbuf: each is written at the start of its phase, after this thread's last read of the
+    # previous one (the barrier before), so one buffer serves the three
+    xp_d = xbuf[:T * dim].reshape((T, dim))
+    xp_a = xbuf[:T * ka].reshape((T, ka))
+    xp_h = xbuf[:T * hidden].reshape((T, hidden))
     tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
     no_norm = np.empty(0, np.float32)
@@ -307,6 +313,14 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
                    _quantised(xp_h, f_down, act_blk, unit, down_planes), unit)
 
 
+@njit(nogil=True, cache=True)
+def prefill_scratch(T, dim, attn_width, hidden):  # pragma: no cover - jitted
+    """Elements of a thread's xbuf: the widest of a layer's three permuted inputs, [T, dim],
+    [T, heads * D] and [T, hidden], which it holds one at a time (a 7B model at 256 tokens:
+    11 MiB, where three buffers took 19 MiB a thread)."""
+    return T * max(dim, attn_width, hidden)
+
+
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
 LAYER_CTL = 2 * LINE * 5
 
@@ -322,7 +336,9 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     [T, kv_heads * D] float32 scratch for the values; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
-    (FusedDecoder.prefill_mask)."""
+    (FusedDecoder.prefill_mask). Each calling thread makes its own permuted-input buffer once for
+    all layers (prefill_layer's xbuf)."""
+    xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1], act.shape[1]), np.float32)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], k_out)
@@ -330,7 +346,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, fast[layer], act_block)
+                      act, xbuf, fast[layer], act_block)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
