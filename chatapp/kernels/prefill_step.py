@@ -228,9 +228,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     Outputs: k_out (roped) and v_out [T, kv_heads * D] for the caller to append, in the cache's
     dtype (float32, or float16 bits as uint16); q [T, heads * D], k_raw and v_new
     [T, kv_heads * D] (keys before RoPE, values: float32, what the chunk's own attention reads),
-    attn [T, heads * D], act [T, hidden] are shared scratch; xbuf (float32, T * max(dim, heads * D,
-    hidden) elements) this thread's own, which holds each phase's permuted input in turn (see
-    ``prefill_scratch``). fast: decode_step's FAST_* bits (the
+    attn [T, heads * D], act [T, hidden] are shared scratch (act holds silu(gate) x up
+    de-interleaved, the order down_proj's products read); xbuf (float32, T * max(dim, heads * D)
+    elements) this thread's own, which holds the q/k/v, o_proj and gate/up inputs permuted in turn
+    (see ``prefill_scratch``). fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
@@ -245,12 +246,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
     ka = n_heads * D
-    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream), all in
+    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream), both in
     # xbuf: each is written at the start of its phase, after this thread's last read of the
-    # previous one (the barrier before), so one buffer serves the three
+    # other (the barrier before), so one buffer serves the two (down_proj reads act itself)
     xp_d = xbuf[:T * dim].reshape((T, dim))
     xp_a = xbuf[:T * ka].reshape((T, ka))
-    xp_h = xbuf[:T * hidden].reshape((T, hidden))
+    half_h = hidden // 2
     tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
     no_norm = np.empty(0, np.float32)
@@ -303,22 +304,22 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq, pan_d, unit)
         for t in range(T):
             for i in range(n):
-                act[t, r0 + i] = silu_mul(gu[t, i], uu[t, i])
+                c = r0 + i  # written de-interleaved, as _permuted would leave it for down_proj
+                act[t, (c >> 1) + (c & 1) * half_h] = silu_mul(gu[t, i], uu[t, i])
         phase_done(ctl, 3)
     phase_barrier(ctl, 3, n4)
 
-    # 5. x += down(act)
-    _permuted(act, no_norm, eps, xp_h)
-    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down,
-                   _quantised(xp_h, f_down, act_blk, unit, down_planes), unit)
+    # 5. x += down(act), act already permuted (no norm: _permuted would only move its elements)
+    _product_phase(ctl, 4, wd, bits[6], group_size, act, x, True, tile_h, f_down,
+                   _quantised(act, f_down, act_blk, unit, down_planes), unit)
 
 
 @njit(nogil=True, cache=True)
-def prefill_scratch(T, dim, attn_width, hidden):  # pragma: no cover - jitted
-    """Elements of a thread's xbuf: the widest of a layer's three permuted inputs, [T, dim],
-    [T, heads * D] and [T, hidden], which it holds one at a time (a 7B model at 256 tokens:
-    11 MiB, where three buffers took 19 MiB a thread)."""
-    return T * max(dim, attn_width, hidden)
+def prefill_scratch(T, dim, attn_width):  # pragma: no cover - jitted
+    """Elements of a thread's xbuf: the wider of a layer's permuted inputs [T, dim] and
+    [T, heads * D], which it holds one at a time (a 7B model at 256 tokens: 4 MiB, where a
+    buffer for each input, [T, hidden] included, took 19 MiB a thread)."""
+    return T * max(dim, attn_width)
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
@@ -338,7 +339,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
     (FusedDecoder.prefill_mask). Each calling thread makes its own permuted-input buffer once for
     all layers (prefill_layer's xbuf)."""
-    xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1], act.shape[1]), np.float32)
+    xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], k_out)
