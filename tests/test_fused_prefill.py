@@ -161,3 +161,38 @@ def test_the_prefills_16_bit_down_proj_stays_far_closer_to_exact_than_int8(group
     assert not np.array_equal(got["wide"][0], a)
     assert err["wide"][0] <= 2e-3 and err["wide"][0] * 8 <= err["int8"][0]
     assert err["wide"][1] * 8 <= err["int8"][1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_prefill_rows_written_in_place_equal_the_appended_ones(kv_dtype):
+    """The chunk's K/V written straight into the cache buffers (no [layers, T, kv] copy) are the
+    bits the append through update_and_fetch leaves, after cached rows too; a chunk over rows a
+    snapshot holds (after a trim) is appended through MLX and leaves the snapshot as it was."""
+    model = _model(shape=SMALL, seed=1)
+    apply_fast_path(model, backend="cpu", warm_up=False, kv_dtype=kv_dtype)
+    dec = model._chatapp_fused
+    ids = [int(t) for t in mx.random.randint(0, 256, (45,), key=mx.random.key(4))]
+    runs = []
+    for in_place in (True, False):
+        dec.write_in_place = in_place
+        caches = make_caches(model, CacheSettings(mode="prealloc"))
+        logits = [dec.prefill(mx.array(ids[:20]), caches), dec.prefill(mx.array(ids[20:]), caches)]
+        # update_and_fetch hands the rows out (shared); rows written in place were never handed out
+        same = all(c.full.shared == 0 for c in caches)
+        runs.append((logits, [tuple(np.array(a) for a in c.full.view()) for c in caches], caches, same))
+    dec.write_in_place = True
+    (la, ka, ca, same_a), (lb, kb, _, same_b) = runs
+    assert same_a and not same_b
+    assert all(np.array_equal(x, y) for x, y in zip(la, lb))
+    assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(ka, kb))
+    assert ka[0][0].dtype == {"float16": np.float16, "float32": np.float32}[kv_dtype]
+    held = [c.full.view() for c in ca]  # handed out: rows 0..44 of the buffers
+    before = [tuple(np.array(a) for a in h) for h in held]
+    for c in ca:
+        c.trim(10)
+    other = [int(t) for t in mx.random.randint(0, 256, (10,), key=mx.random.key(5))]
+    dec.prefill(mx.array(other), ca)
+    assert all(c.offset == 45 for c in ca)
+    assert all(np.array_equal(np.array(h[0]), b[0]) and np.array_equal(np.array(h[1]), b[1])
+               for h, b in zip(held, before))
+    assert any(not np.array_equal(np.array(c.full.view()[0]), b[0]) for c, b in zip(ca, before))

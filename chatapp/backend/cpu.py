@@ -204,6 +204,9 @@ def accelerate_model(
         plan.reason = f"backend is {backend!r}; the fast path is for the 'cpu' backend only"
         return plan
 
+    from .heap import return_freed_memory
+
+    return_freed_memory()  # before the kernels' first scratch: see heap.py
     blas = current_blas()
     plan.blas_loaded, plan.blas = blas.loaded, blas.path
     plan.budget_bytes = dense_budget_bytes if dense_budget_bytes is not None else physical_memory_bytes() // 4

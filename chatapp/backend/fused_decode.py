@@ -282,6 +282,11 @@ class FusedDecoder:
                 z = mx.zeros((1, KVH, n_new, D), full.dtype if full.keys is None else full.keys.dtype)
                 full.append(z, z)  # grows by whole chunks; the zero rows are dropped again
                 full.trim(n_new)
+                # one layer at a time: growing all at once would hold every layer's old buffers,
+                # zeros and new buffers together (MLX's peak +96 MiB on 8 layers of a 7B model at
+                # 256 -> 512 tokens in float16, where the new buffers are 64)
+                mx.eval(full.keys, full.values)
+                mx.clear_cache()  # its old buffers, which no cache of this size will take again soon
             if full.pinned is None:
                 unpinned.append(full)
         if unpinned:
@@ -354,18 +359,30 @@ class FusedDecoder:
         emb = emb.astype(mx.float32) if emb.dtype != mx.float32 else emb
         mx.eval(emb)
         x = np.array(emb, np.float32)  # the kernel updates it in place
+        del emb  # (freed with MLX's cache below)
         n_cached = self._cache_buffers(caches, T)
+        # the kernel's scratch below is numpy's (a few [T, hidden] float32 arrays per thread and
+        # shared), which MLX's buffer cache cannot serve: what that cache holds idle now (the
+        # embedding's temporaries, a previous turn's caches: 22-30 MiB on 8 layers of a 7B model)
+        # would only add to the peak
+        mx.clear_cache()
         cos, sin = rope_table(n_cached, T, self.inv_freq)
         hd, kd = self.n_heads * D, KVH * D
-        # the kernel writes the chunk's K/V rows straight into these MLX arrays (through numpy views
-        # of their buffers), so the cache appends read them without a copy of all layers' rows
-        # (in the cache's dtype: float16 rows as their uint16 bits)
-        dtype = caches[0].full.keys.dtype
-        k_all, v_all = mx.zeros((L, T, kd), dtype), mx.zeros((L, T, kd), dtype)
-        mx.eval(k_all, v_all)
         host = _kv_like(caches).dtype
-        k_out = np.frombuffer(memoryview(k_all), host).reshape(L, T, kd)
-        v_out = np.frombuffer(memoryview(v_all), host).reshape(L, T, kd)
+        # the kernel writes the chunk's K/V rows into the cache buffers themselves where no view
+        # handed out covers them (as step does): no [layers, T, kv] copy of them (32 MiB for 256
+        # tokens of a 7B model's 8 layers in float16, 128 MiB for all 32) on top of the buffers
+        in_place = self.write_in_place and all(c.full.writable_in_place(T) for c in caches)
+        if in_place:
+            k_out = v_out = np.empty((L, 0, kd), host)
+        else:
+            # else into these MLX arrays (through numpy views of their buffers), which the
+            # cache appends read without a copy (in the cache's dtype: float16 as uint16 bits)
+            dtype = caches[0].full.keys.dtype
+            k_all, v_all = mx.zeros((L, T, kd), dtype), mx.zeros((L, T, kd), dtype)
+            mx.eval(k_all, v_all)
+            k_out = np.frombuffer(memoryview(k_all), host).reshape(L, T, kd)
+            v_out = np.frombuffer(memoryview(v_all), host).reshape(L, T, kd)
         pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
@@ -374,6 +391,10 @@ class FusedDecoder:
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, self.prefill_block)
         del k_out, v_out
+        if in_place:
+            for c in caches:
+                c.wrote_in_place(T)
+            return self._head(x[-1])
         k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         for i, c in enumerate(caches):
@@ -496,6 +517,8 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
         scratch = [PreallocKVCache(settings) for _ in dec.layers]
         dec.prefill(mx.array([0, 0]), scratch)
         dec.step(0, scratch)
+        del scratch
+        mx.clear_cache()  # the scratch caches' chunk of K/V per layer (32 MiB on 8 layers of a 7B model)
     object.__setattr__(model, "_chatapp_fused", dec)
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))

@@ -104,7 +104,9 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
     before RoPE); k_cache / v_cache flat cache buffers (head_rows), float32 or float16 bits.
     The claim of each KV head's last token block ropes all T keys and hands them, with the
-    values, to k_out / v_out (the cache's dtype) for the caller to append."""
+    values, to k_out / v_out (the cache's dtype) for the caller to append; k_out / v_out with no
+    rows: into the cache buffers themselves, at rows n_cached .. n_cached + T - 1 (which no claim
+    reads: the chunk's keys come from k_raw / v_new), so the caller only counts them."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -131,7 +133,16 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         for j in range(t_end):
             kr[j] = k_raw[j, kh * D:(kh + 1) * D]
             apply_rope(kr[j], cos[j], sin[j], traditional)
-        if blk == n_blocks - 1:
+        if blk == n_blocks - 1 and k_out.shape[0] == 0:
+            kw = head_rows(k_cache, kh, k_stride, n_cached + T, D)
+            vw = head_rows(v_cache, kh, v_stride, n_cached + T, D)
+            for j in range(T):
+                kd, vd = kw[n_cached + j], vw[n_cached + j]
+                for e in range(D):
+                    store_f32(kd, e, kr[j, e])
+                for e in range(D):
+                    store_f32(vd, e, v_new[j, kh * D + e])
+        elif blk == n_blocks - 1:
             for j in range(T):
                 kd, vd = k_out[j], v_out[j]
                 for e in range(D):

@@ -219,7 +219,7 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, v_new, k_out, v_out, attn, act, fast=0, act_block=0):  # pragma: no cover - jitted
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, fast=0, act_block=0):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
@@ -228,7 +228,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     Outputs: k_out (roped) and v_out [T, kv_heads * D] for the caller to append, in the cache's
     dtype (float32, or float16 bits as uint16); q [T, heads * D], k_raw and v_new
     [T, kv_heads * D] (keys before RoPE, values: float32, what the chunk's own attention reads),
-    attn [T, heads * D], act [T, hidden] are shared scratch. fast: decode_step's FAST_* bits (the
+    attn [T, heads * D], act [T, hidden] are shared scratch (act holds silu(gate) x up
+    de-interleaved, the order down_proj's products read); xbuf (float32, T * max(dim, heads * D)
+    elements) this thread's own, which holds the q/k/v, o_proj and gate/up inputs permuted in turn
+    (see ``prefill_scratch``). fast: decode_step's FAST_* bits (the
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
@@ -243,8 +246,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     D = cos.shape[1] * 2
     hidden = wg[0].shape[0]
     ka = n_heads * D
-    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream)
-    xp_d, xp_a, xp_h = np.empty((T, dim), np.float32), np.empty((T, ka), np.float32), np.empty((T, hidden), np.float32)
+    # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream), both in
+    # xbuf: each is written at the start of its phase, after this thread's last read of the
+    # other (the barrier before), so one buffer serves the two (down_proj reads act itself)
+    xp_d = xbuf[:T * dim].reshape((T, dim))
+    xp_a = xbuf[:T * ka].reshape((T, ka))
+    half_h = hidden // 2
     tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
     no_norm = np.empty(0, np.float32)
@@ -297,14 +304,22 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq, pan_d, unit)
         for t in range(T):
             for i in range(n):
-                act[t, r0 + i] = silu_mul(gu[t, i], uu[t, i])
+                c = r0 + i  # written de-interleaved, as _permuted would leave it for down_proj
+                act[t, (c >> 1) + (c & 1) * half_h] = silu_mul(gu[t, i], uu[t, i])
         phase_done(ctl, 3)
     phase_barrier(ctl, 3, n4)
 
-    # 5. x += down(act)
-    _permuted(act, no_norm, eps, xp_h)
-    _product_phase(ctl, 4, wd, bits[6], group_size, xp_h, x, True, tile_h, f_down,
-                   _quantised(xp_h, f_down, act_blk, unit, down_planes), unit)
+    # 5. x += down(act), act already permuted (no norm: _permuted would only move its elements)
+    _product_phase(ctl, 4, wd, bits[6], group_size, act, x, True, tile_h, f_down,
+                   _quantised(act, f_down, act_blk, unit, down_planes), unit)
+
+
+@njit(nogil=True, cache=True)
+def prefill_scratch(T, dim, attn_width):  # pragma: no cover - jitted
+    """Elements of a thread's xbuf: the wider of a layer's permuted inputs [T, dim] and
+    [T, heads * D], which it holds one at a time (a 7B model at 256 tokens: 4 MiB, where a
+    buffer for each input, [T, hidden] included, took 19 MiB a thread)."""
+    return T * max(dim, attn_width)
 
 
 # phases 0-4 above: a layer passes 5 barriers, as decode_step's does
@@ -322,7 +337,9 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     [T, kv_heads * D] float32 scratch for the values; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
-    (FusedDecoder.prefill_mask)."""
+    (FusedDecoder.prefill_mask). Each calling thread makes its own permuted-input buffer once for
+    all layers (prefill_layer's xbuf)."""
+    xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], k_out)
@@ -330,7 +347,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, fast[layer], act_block)
+                      act, xbuf, fast[layer], act_block)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
