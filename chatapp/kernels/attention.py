@@ -90,8 +90,9 @@ def _scores_quant(q, qsum, packed, scales, biases, bits, group_size, scale, s): 
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def softmax_inplace(s):  # pragma: no cover - jitted
-    """s <- exp(s - max(s)); returns the sum (the caller divides once at the end)."""
+def softmax_max_inplace(s):  # pragma: no cover - jitted
+    """s <- exp(s - max(s)); returns (max, sum): the caller divides once at the end, and a split
+    attention (group_attention.py) merges its parts by their maxima."""
     m = s[0]
     for n in range(1, s.shape[0]):
         m = max(m, s[n])
@@ -100,7 +101,13 @@ def softmax_inplace(s):  # pragma: no cover - jitted
         e = fast_exp(s[n] - m)
         s[n] = e
         tot += e
-    return tot
+    return m, tot
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def softmax_inplace(s):  # pragma: no cover - jitted
+    """s <- exp(s - max(s)); returns the sum (the caller divides once at the end)."""
+    return softmax_max_inplace(s)[1]
 
 
 @njit(fastmath=True, cache=True, nogil=True)

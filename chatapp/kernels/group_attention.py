@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .attention import accumulate_full, fast_exp, scores_full
+from .attention import accumulate_full, fast_exp, scores_full, softmax_max_inplace
 from .llvm import as_f32
 from .microkernels import (
     A_ROWS,
@@ -90,20 +90,6 @@ def _pv(rows, width, s, s_off, L, v, v_off, D, o, o_off, n):  # pragma: no cover
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _softmax(s):  # pragma: no cover - jitted
-    """s <- exp(s - max(s)) on a contiguous row (vectorised); returns (max, sum)."""
-    mx = s[0]
-    for i in range(1, s.shape[0]):
-        mx = max(mx, s[i])
-    tot = np.float32(0.0)
-    for i in range(s.shape[0]):
-        p = fast_exp(s[i] - mx)
-        s[i] = p
-        tot += p
-    return mx, tot
-
-
-@njit(fastmath=True, nogil=True, cache=True)
 def _scores(qg, G, D, k_cache, k_base, a, b, scale, s, L):  # pragma: no cover - jitted
     """s[g * L + i] = scale * qg[g] . k[a + i] for the cached rows a .. b - 1 of a head whose rows
     start at k_cache[k_base]: 16 keys per dots16 call, the tail one by one."""
@@ -142,7 +128,7 @@ def attend_split(qg, G, D, k_cache, k_base, v_cache, v_base, a, b, kr, vn, with_
             for e in range(D):
                 d += qg[g * D + e] * kr[e]
             s[g * L + n] = d * scale
-        mx, tot = _softmax(s[g * L:g * L + m])
+        mx, tot = softmax_max_inplace(s[g * L:g * L + m])
         part[p0 + g * (D + SLOT)] = mx
         part[p0 + g * (D + SLOT) + 1] = tot
     # P V: rows of P (a group of up to 4 heads; zero rows past G) times the value rows, the
