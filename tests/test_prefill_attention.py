@@ -55,6 +55,7 @@ def _reference(q, k_raw, v_new, k_cache, v_cache, cos, sin, traditional, heads, 
        shape=st.sampled_from([(4, 4, 32), (9, 3, 64), (2, 1, 128), (6, 2, 16)]), half=st.booleans(),
        traditional=st.booleans(), seed=st.integers(0, 2**16))
 @example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1)
+@example(n_cached=59, tokens=48, shape=(9, 3, 64), half=True, traditional=False, seed=7276)  # a 1-ulp fp16 tie
 def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed):
     heads, kv_heads, D = shape
     rng = np.random.default_rng(seed)
@@ -82,7 +83,10 @@ def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, tr
                       kv_heads, scale)
     np.testing.assert_allclose(attn, want, rtol=0, atol=2e-5)
     roped = np.concatenate([_rope(k_raw[:, g * D:(g + 1) * D], cos, sin, traditional) for g in range(kv_heads)], 1)
-    np.testing.assert_allclose(k_out.astype(np.float32), roped.astype(dt).astype(np.float32), rtol=0, atol=1e-3)
+    # the kernel's float32 rotation differs from numpy's in the last bits, so its fp16 rounding may land on the
+    # neighbouring value: compare with the unrounded rotation, within one ulp of the stored type
+    ulp = 2.0**-9 if half else 2.0**-22
+    np.testing.assert_allclose(k_out.astype(np.float32), roped, rtol=ulp, atol=1e-6)
     np.testing.assert_array_equal(v_out, v_new.astype(dt))
 
 
