@@ -94,6 +94,24 @@ class FullBuffer(_TokenBuffer):
         # them): no row of these has been handed out yet
         self.shared = 0
 
+    def reserve(self, n: int, like: mx.array) -> None:
+        """Room for ``n`` more rows, writing none (a native step then writes them in place);
+        ``like`` gives batch, heads, head_dim and, for the first buffers, the dtype.
+
+        Not ``append`` of zero rows then ``trim``: where the zeros cover a new buffer whole, MLX's
+        slice update hands the update's own buffer back, and one zeros array given as keys and
+        values made both the same memory (measured: a 256-token prefill into an empty cache)."""
+        end = self.length + n
+        if end <= self.capacity:
+            return
+        self.pinned = None  # as in append: MLX may reuse the buffers only where no host view holds them
+        if self.keys is None and self.dtype is not None:
+            like = like.astype(self.dtype)
+        self.keys = _grown(self.keys, end, self.step, like)
+        self.values = _grown(self.values, end, self.step, like)
+        self._held_view = None
+        self.shared = 0  # new buffers: no row of them handed out
+
     def writable_in_place(self, n: int) -> bool:
         """Whether rows [length, length + n) may be written in place, outside MLX: they exist,
         and no view handed out of these buffers covers them (after a ``trim`` below what was

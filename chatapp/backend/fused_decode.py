@@ -279,9 +279,7 @@ class FusedDecoder:
         for c in caches:
             full = c.full
             if full.keys is None or full.length + n_new > full.capacity:
-                z = mx.zeros((1, KVH, n_new, D), full.dtype if full.keys is None else full.keys.dtype)
-                full.append(z, z)  # grows by whole chunks; the zero rows are dropped again
-                full.trim(n_new)
+                full.reserve(n_new, mx.zeros((1, KVH, 1, D), full.dtype if full.keys is None else full.keys.dtype))
                 # one layer at a time: growing all at once would hold every layer's old buffers,
                 # zeros and new buffers together (MLX's peak +96 MiB on 8 layers of a 7B model at
                 # 256 -> 512 tokens in float16, where the new buffers are 64)
@@ -294,6 +292,8 @@ class FusedDecoder:
             for full in unpinned:
                 # the buffers are contiguous [1, kv_heads, capacity, D]: heads capacity * D apart
                 kf, vf = np.asarray(full.keys), np.asarray(full.values)
+                if np.shares_memory(kf, vf):  # the kernel would write K over V: never let it
+                    raise RuntimeError("fused decode: a cache's keys and values share one buffer")
                 full.pinned = (kf, vf, kf.ctypes.data, vf.ctypes.data, kf.size, full.capacity * D)
         n_cached = caches[0].full.length
         dtype = caches[0].full.keys.dtype
