@@ -80,13 +80,9 @@ class FullBuffer(_TokenBuffer):
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         self.pinned = None  # before the write: a held host view would make MLX copy the buffer
+        self.reserve(keys.shape[2], keys, values)
         end = self.length + keys.shape[2]
-        if self.keys is None and self.dtype is not None:
-            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-        if end > self.capacity:
-            self.keys = _grown(self.keys, end, self.step, keys)
-            self.values = _grown(self.values, end, self.step, values)
-        self.keys[:, :, self.length : end] = keys
+        self.keys[:, :, self.length : end] = keys  # cast to the buffers' dtype by MLX's slice update
         self.values[:, :, self.length : end] = values
         self.length = end
         self._held_view = None
@@ -94,21 +90,22 @@ class FullBuffer(_TokenBuffer):
         # them): no row of these has been handed out yet
         self.shared = 0
 
-    def reserve(self, n: int, like: mx.array) -> None:
-        """Room for ``n`` more rows, writing none (a native step then writes them in place);
-        ``like`` gives batch, heads, head_dim and, for the first buffers, the dtype.
+    def reserve(self, n: int, keys: mx.array, values: mx.array) -> None:
+        """Room for ``n`` more rows, writing none (a native step then writes them in place, or
+        ``append`` through MLX); ``keys``/``values`` are rows whose batch, heads and head_dim the
+        buffers take, and their dtype for the first buffers when ``dtype`` is not set.
 
-        Not ``append`` of zero rows then ``trim``: where the zeros cover a new buffer whole, MLX's
-        slice update hands the update's own buffer back, and one zeros array given as keys and
-        values made both the same memory (measured: a 256-token prefill into an empty cache)."""
+        A native writer must not make room by appending zeros then trimming: where one zeros array
+        given as keys and values covers a new buffer whole, MLX's slice update hands the update's
+        own buffer back, making both the same memory (a 256-token prefill into an empty cache)."""
         end = self.length + n
         if end <= self.capacity:
             return
-        self.pinned = None  # as in append: MLX may reuse the buffers only where no host view holds them
+        self.pinned = None  # MLX may reuse the buffers only where no host view holds them
         if self.keys is None and self.dtype is not None:
-            like = like.astype(self.dtype)
-        self.keys = _grown(self.keys, end, self.step, like)
-        self.values = _grown(self.values, end, self.step, like)
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+        self.keys = _grown(self.keys, end, self.step, keys)
+        self.values = _grown(self.values, end, self.step, values)
         self._held_view = None
         self.shared = 0  # new buffers: no row of them handed out
 

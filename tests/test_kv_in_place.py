@@ -33,14 +33,15 @@ def _row(n: int) -> tuple[mx.array, mx.array]:
 @pytest.mark.parametrize("n, cap", [(8, 8), (3, 8), (9, 16)])
 def test_reserved_rows_are_two_buffers_of_whole_chunks_and_keep_the_rows_held(n, cap):
     buf = FullBuffer(8, mx.float16)
-    buf.reserve(n, mx.zeros((1, 2, 1, 4)))
+    z = mx.zeros((1, 2, 1, 4))
+    buf.reserve(n, z, z)
     mx.eval(buf.keys, buf.values)
     assert buf.capacity == cap and buf.length == 0 and buf.keys.dtype == mx.float16
     assert not np.shares_memory(np.asarray(buf.keys), np.asarray(buf.values))
     assert buf.writable_in_place(n) and not buf.writable_in_place(cap + 1)
     k, v = _row(cap)
     buf.append(k, v)
-    buf.reserve(1, k)  # grows past the held rows: they come along
+    buf.reserve(1, k, v)  # grows past the held rows: they come along
     assert buf.capacity == cap + 8 and buf.length == cap
     got_k, got_v = buf.view()
     assert np.array_equal(np.array(got_k), np.array(k)) and np.array_equal(np.array(got_v), np.array(v))

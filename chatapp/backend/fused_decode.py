@@ -279,7 +279,8 @@ class FusedDecoder:
         for c in caches:
             full = c.full
             if full.keys is None or full.length + n_new > full.capacity:
-                full.reserve(n_new, mx.zeros((1, KVH, 1, D), full.dtype if full.keys is None else full.keys.dtype))
+                z = mx.zeros((1, KVH, 1, D))  # the rows' shape; reserve takes the buffers' dtype
+                full.reserve(n_new, z, z)
                 # one layer at a time: growing all at once would hold every layer's old buffers,
                 # zeros and new buffers together (MLX's peak +96 MiB on 8 layers of a 7B model at
                 # 256 -> 512 tokens in float16, where the new buffers are 64)
