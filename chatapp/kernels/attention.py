@@ -23,6 +23,7 @@ from numba import njit
 
 from .llvm import as_f32, byte_to_f32, exp2_int, hi_nibble, lo_nibble, prefetch
 from .pool import chunk_done, claim
+from .views import rows_of
 
 _LOG2E = np.float32(1.4426950408889634)
 _C1 = np.float32(0.693359375)
@@ -152,7 +153,7 @@ def _accumulate_quant(p, packed, scales, biases, bits, group_size, o):  # pragma
 def head_rows(flat, head, head_stride, n, width):  # pragma: no cover - jitted
     """Head ``head``'s [n, width] block of a flat buffer (see ``heads_view``), C-contiguous."""
     start = head * head_stride
-    return flat[start:start + n * width].reshape((n, width))
+    return rows_of(flat, start, n, width)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -226,7 +227,8 @@ def attend_parts(ctl, chunk, q, qq, qqsum, kvh, full, full_strides, n_head, n_ta
                                   bits, group_size, o)
                 if bits == 4:  # the quantised part's output is [evens | odds]: interleave it back
                     half = D // 2
-                    tmp[:] = o
+                    for j in range(D):  # (a loop, not ``tmp[:] = o``: see views.py)
+                        tmp[j] = o[j]
                     for j in range(half):
                         o[2 * j] = tmp[j]
                         o[2 * j + 1] = tmp[half + j]

@@ -260,18 +260,21 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if u < 0:
             break
         kh, sp = u // S, u % S
-        kr[:] = k_new[kh * D:(kh + 1) * D]
+        for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)
+            kr[e] = k_new[kh * D + e]
         apply_rope(kr, cos, sin, traditional)
         for g in range(G):
             h = kh * G + g
-            qg[g * D:(g + 1) * D] = q[h * D:(h + 1) * D]
+            for e in range(D):
+                qg[g * D + e] = q[h * D + e]
             apply_rope(qg[g * D:(g + 1) * D], cos, sin, traditional)
         a = sp * per
         b = min(n_keys, a + per)
         attend_split(qg, G, D, k_cache, kh * k_stride, v_cache, kh * v_stride, a, min(b, n_cached),
                      kr, v_new[kh * D:(kh + 1) * D], b == n_keys, scale, s, L, o, part, u * G * (D + SLOT))
         if sp == S - 1:  # the unit with the new key hands it back (roped) for the cache
-            k_out[kh * D:(kh + 1) * D] = kr
+            for e in range(D):
+                k_out[kh * D + e] = kr[e]
             if write_kv:  # and writes the new row in place (every unit reads rows < n_cached)
                 kb, vb = kh * k_stride + n_cached * D, kh * v_stride + n_cached * D
                 for j in range(D):

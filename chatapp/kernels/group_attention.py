@@ -34,6 +34,7 @@ from .microkernels import (
     outer4x32,
     outer4x64,
 )
+from .views import rows_of
 
 UNITS = 8  # (KV head, key split) units a layer aims for
 MIN_SPLIT = 256  # keys per split at least: below that a split's fixed costs dominate
@@ -120,7 +121,7 @@ def attend_split(qg, G, D, k_cache, k_base, v_cache, v_base, a, b, kr, vn, with_
         _scores(qg, G, D, k_cache, k_base, a, b, scale, s, L)
     else:
         for g in range(G):
-            scores_full(qg[g * D:(g + 1) * D], k_cache[k_base + a * D:k_base + b * D].reshape((n, D)), scale,
+            scores_full(qg[g * D:(g + 1) * D], rows_of(k_cache, k_base + a * D, n, D), scale,
                         s[g * L:g * L + n])
     for g in range(G):
         if with_new:
@@ -148,7 +149,7 @@ def attend_split(qg, G, D, k_cache, k_base, v_cache, v_base, a, b, kr, vn, with_
     else:
         for g in range(G):
             o[:D] = 0.0
-            accumulate_full(s[g * L:g * L + n], v_cache[v_base + a * D:v_base + b * D].reshape((n, D)), o[:D])
+            accumulate_full(s[g * L:g * L + n], rows_of(v_cache, v_base + a * D, n, D), o[:D])
             dst = p0 + g * (D + SLOT) + SLOT
             for e in range(D):
                 part[dst + e] = o[e]

@@ -131,7 +131,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         t0 = blk * QBLOCK
         t_end = min(T, t0 + QBLOCK)
         for j in range(t_end):
-            kr[j] = k_raw[j, kh * D:(kh + 1) * D]
+            for e in range(D):  # (a loop, not a row assignment: see views.py)
+                kr[j, e] = k_raw[j, kh * D + e]
             apply_rope(kr[j], cos[j], sin[j], traditional)
         if blk == n_blocks - 1 and k_out.shape[0] == 0:
             kw = head_rows(k_cache, kh, k_stride, n_cached + T, D)
@@ -158,7 +159,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 t = t0 + i
                 lane_t[m] = t
                 if t < T:
-                    qr[:] = q[t, h * D:(h + 1) * D]
+                    for e in range(D):  # (a loop, not ``qr[:] = ...``: see views.py)
+                        qr[e] = q[t, h * D + e]
                     apply_rope(qr, cos[t], sin[t], traditional)
                     for e in range(D):
                         qt[e * M + m] = qr[e] * scale

@@ -32,16 +32,16 @@ from .decode_step import LINE, phase_barrier, phase_claim, phase_done, silu_mul
 from .half import kv_buffer
 from .int8panel import (
     PANEL_ROWS,
-    PANEL_TOKENS,
     PREFILL_ACT_BLOCK,
     pack_panel,
+    panel_rows,
     panel_token_rows,
     panel_unit,
-    q4_panel_tile,
     quantise_panel_tokens,
 )
 from .llvm import as_f32
 from .prefill_attention import chunk_attention
+from .views import rows_of
 
 # a bit of the prefill's ``fast`` beside decode_step's FAST_* (which decode_step does not read):
 # down_proj on 16-bit activations, two int8 planes (int8panel). On int8, its input silu(gate) x up,
@@ -139,17 +139,16 @@ def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
 def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq, pan, unit):  # pragma: no cover
     """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n <= ROW_TILE: on float32
     (the tile dequantised, then _tile_times), or when ``fast`` and 4-bit on int8 activations
-    (int8panel: the rows packed into ``pan``, then PANEL_TOKENS tokens of xq a call)."""
+    (int8panel: the rows packed into ``pan``, then every token of xq: panel_rows)."""
     if fast and bits == 4:
         packed, scales, biases = w
         pack_panel(packed, scales, biases, r0, n, pan[0], pan[1], pan[2])
         T = xp.shape[0]
-        out = np.empty(PANEL_TOKENS * PANEL_ROWS, np.float32)
-        for t in range(0, T, PANEL_TOKENS):
-            q4_panel_tile(pan, xq, t, group_size, unit, out)
-            for j in range(min(PANEL_TOKENS, T - t)):
-                for i in range(n):
-                    _put(dst, t + j, col0 + i, out[j * PANEL_ROWS + i], add)
+        out = np.empty(panel_token_rows(T) * PANEL_ROWS, np.float32)
+        panel_rows(pan, xq, T, group_size, unit, out)
+        for t in range(T):
+            for i in range(n):
+                _put(dst, t, col0 + i, out[t * PANEL_ROWS + i], add)
     else:
         _dequant_tile(w, bits, group_size, r0, n, tile)
         _tile_times(tile, n, xp, dst, col0, add)
@@ -249,16 +248,21 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # exact-width, C-contiguous buffers per input width (rows the vectoriser can stream), both in
     # xbuf: each is written at the start of its phase, after this thread's last read of the
     # other (the barrier before), so one buffer serves the two (down_proj reads act itself)
-    xp_d = xbuf[:T * dim].reshape((T, dim))
-    xp_a = xbuf[:T * ka].reshape((T, ka))
+    xp_d = rows_of(xbuf, 0, T, dim)
+    xp_a = rows_of(xbuf, 0, T, ka)
     half_h = hidden // 2
     tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
     no_norm = np.empty(0, np.float32)
+    # values, not literals: numba compiles a callee once per literal argument (three _tile_product
+    # and two _product_phase specialisations cost a first start ~6 s), and none of them is
+    # faster for knowing these
+    no_add, add, col_zero, one_plane = np.bool_(False), np.bool_(True), np.int64(0), np.int64(1)
+    phase_o, phase_down = np.int64(2), np.int64(4)
 
     # 0. q, k, v: one phase over the row tiles of the three weights
     _permuted(x, attn_norm, eps, xp_d)
-    xq = _quantised(xp_d, f_qkv, act_blk, unit)
+    xq = _quantised(xp_d, f_qkv, act_blk, unit, one_plane)
     pan_d = _panel(dim, group_size, f_qkv or f_gu)
     nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
     cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
@@ -274,7 +278,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         else:
             w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
         n = min(ROW_TILE, w[0].shape[0] - r0)
-        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, False, tile_d, f_qkv, xq, pan_d, unit)
+        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, no_add, tile_d, f_qkv, xq, pan_d, unit)
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
@@ -285,12 +289,12 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 3. x += o_proj(attn)
     _permuted(attn, no_norm, eps, xp_a)
-    _product_phase(ctl, 2, wo, bits[3], group_size, xp_a, x, True, tile_a, f_o, _quantised(xp_a, f_o, act_blk, unit),
-                   unit)
+    _product_phase(ctl, phase_o, wo, bits[3], group_size, xp_a, x, add, tile_a, f_o,
+                   _quantised(xp_a, f_o, act_blk, unit, one_plane), unit)
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
     _permuted(x, mlp_norm, eps, xp_d)
-    xq = _quantised(xp_d, f_gu, act_blk, unit)
+    xq = _quantised(xp_d, f_gu, act_blk, unit, one_plane)
     gu = np.empty((T, ROW_TILE), np.float32)
     uu = np.empty((T, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
@@ -300,8 +304,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             break
         r0 = c * ROW_TILE
         n = min(ROW_TILE, hidden - r0)
-        _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, 0, False, tile_d, f_gu, xq, pan_d, unit)
-        _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, 0, False, tile_d, f_gu, xq, pan_d, unit)
+        _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, col_zero, no_add, tile_d, f_gu, xq, pan_d, unit)
+        _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, col_zero, no_add, tile_d, f_gu, xq, pan_d, unit)
         for t in range(T):
             for i in range(n):
                 c = r0 + i  # written de-interleaved, as _permuted would leave it for down_proj
@@ -310,8 +314,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     phase_barrier(ctl, 3, n4)
 
     # 5. x += down(act), act already permuted (no norm: _permuted would only move its elements)
-    _product_phase(ctl, 4, wd, bits[6], group_size, act, x, True, tile_h, f_down,
-                   _quantised(act, f_down, act_blk, unit, down_planes), unit)
+    _product_phase(ctl, phase_down, wd, bits[6], group_size, act, x, add, tile_h, f_down,
+                   _quantised(act, f_down, act_blk, unit, np.int64(down_planes)), unit)
 
 
 @njit(nogil=True, cache=True)
