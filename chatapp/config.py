@@ -371,6 +371,7 @@ class CpuConfig:
     fused_decode: bool = _setting(True, _Bool())
     numerics: str = _setting("auto", _Choice(*NUMERICS))
     kv_dtype: str = _setting("auto", _Choice(*KV_DTYPES))
+    precompile: bool = _setting(True, _Bool())
 
 
 @dataclass

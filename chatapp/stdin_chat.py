@@ -24,6 +24,19 @@ def _print_notes(notes) -> None:
         print(f"chatapp: {n.level}: {printable(n.text)}", file=sys.stderr)
 
 
+def _first_notice_printer():
+    """on_slow_warm_up for a terminal or a log: the first "compiling the CPU kernels" line only
+    (the TUI renews it every few seconds; here that would be a line every 5 s)."""
+    said = []
+
+    def say(line: str) -> None:
+        if not said:
+            said.append(line)
+            print(f"chatapp: note: {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def run_no_tui(args, config, blas) -> int:
     """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
 
@@ -44,7 +57,7 @@ def run_no_tui(args, config, blas) -> int:
         print(f"chatapp: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
     from .engine.setup import load_engine, session_from_config
 
-    loaded = load_engine(config)
+    loaded = load_engine(config, on_slow_warm_up=_first_notice_printer())
     _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
     session = session_from_config(config, loaded)
     if args.verbose and session.format_choice is not None:

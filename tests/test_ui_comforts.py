@@ -13,11 +13,14 @@ pytest.importorskip("textual")
 
 from test_ui import async_test, make_app, ready, screen_text, turn, wait_until  # noqa: E402
 
+from chatapp.backend.warmup import compiling_line  # noqa: E402
 from chatapp.config import user_config_path  # noqa: E402
 from chatapp.config_write import remember, with_value  # noqa: E402
+from chatapp.engine.events import LoadProgress  # noqa: E402
 from chatapp.store import ChatStore  # noqa: E402
 from chatapp.ui.clipboard import code_blocks, copyables, last_code_block  # noqa: E402
 from chatapp.ui.dialogs import CopyDialog, ExportDialog, ModelDialog, SystemPromptDialog  # noqa: E402
+from chatapp.ui.messages import message_for  # noqa: E402
 
 pytestmark = pytest.mark.shared
 
@@ -121,6 +124,27 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
 
 
 @async_test
+async def test_the_model_dialog_shows_the_kernels_compiling_during_a_switch(stories4_path):
+    """A switch to a model whose kernels compile (a first start of its bits, group or K/V dtype)
+    says so under the model's name, as the loading screen does at start; with no load under way
+    the line is not shown."""
+    app = make_app(stories4_path)
+    async with app.run_test(size=(160, 30)) as pilot:
+        await ready(pilot)
+        await pilot.press("f12")
+        dialog = app.screen
+        assert isinstance(dialog, ModelDialog)
+        app.post_message(message_for(LoadProgress("kernels", compiling_line(12))))
+        await pilot.pause()
+        assert "compiling the CPU" not in await screen_text(pilot)
+        dialog.loading_spec = "other.gguf"  # as choose() leaves it while the worker loads
+        app.post_message(message_for(LoadProgress("kernels", compiling_line(12))))
+        await pilot.pause()
+        text = await screen_text(pilot)
+        assert "loading other.gguf" in text and "compiling the CPU" in text and "12 s so far" in text
+
+
+@async_test
 async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_try(stories4_path, stories_path,
                                                                                    monkeypatch):
     app = make_app(stories4_path)
@@ -133,10 +157,10 @@ async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_t
         dialog.query_one("#model-input").value = str(stories_path)
         await pilot.press("enter")
         await pilot.pause()
-        assert not dialog.loading and "not switched" in await screen_text(pilot)
+        assert not dialog.loading_spec and "not switched" in await screen_text(pilot)
         monkeypatch.undo()
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading),
+        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
         assert app.model_dialog is None and app.model_id.endswith("stories260K")
 
@@ -155,7 +179,7 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
         assert isinstance(dialog, ModelDialog)
         dialog.query_one("#model-input").value = str(tmp_path / "no-such-model")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.bridge.busy and not dialog.loading, what="the failed load")
+        await wait_until(pilot, lambda: not app.bridge.busy and not dialog.loading_spec, what="the failed load")
         text = await screen_text(pilot)
         assert "cannot load" in text and app.screen is dialog
         assert app.bridge.chat.session is old_session() and [(e.role, e.text) for e in app.entries] == before
@@ -165,7 +189,7 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
         # The switch has ended when its result is in: the dialog let go (loaded) or shows why not
         # (failed). A failed load fails here with its line, not as a wait for a dialog that stays.
         # (The switch compiles no kernels: neither stories model reaches them at load; 0.3 s.)
-        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading),
+        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
         assert app.model_dialog is None, f"the switch failed:\n{await screen_text(pilot)}"
         await wait_until(pilot, lambda: not isinstance(app.screen, ModelDialog), what="the dialog to close")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -157,6 +158,8 @@ def accelerate_model(
     fused_decode: bool = True,
     numerics: str = "exact",
     kv_dtype: str = "auto",
+    on_slow_warm_up: Callable[[str], None] | None = None,
+    precompile: bool = True,
 ) -> CpuPlan:
     """Give a quantised model's products the CPU fast path; a no-op on other backends.
 
@@ -174,7 +177,9 @@ def accelerate_model(
     step's 4-bit rows against int8-quantised activations, kernels/int8dot.py) or "auto" (fast
     where the CPU has VNNI, fused_decode.resolve_numerics). kv_dtype: the K/V buffers the fused
     routes make, "float16", "float32" or "auto" (float16 where the CPU has F16C,
-    fused_decode.resolve_kv_dtype). dense_weights: "on" keeps a float32 copy
+    fused_decode.resolve_kv_dtype). precompile: on a first start, compile the fused prefill kernel
+    in a second process meanwhile (precompile.py). on_slow_warm_up: told, from a helper thread, while a warm-up
+    runs long (compiling on a first start: warmup.announce_when_slow). dense_weights: "on" keeps a float32 copy
     of every quantised weight and uses it
     for every call; "auto" keeps copies only for layers without a kernel, when an optimised BLAS
     is loaded and while the copies fit ``dense_budget_bytes`` (default: a quarter of physical
@@ -267,19 +272,33 @@ def accelerate_model(
     if act is not None:
         _match_scales_to_activations(replaced, plan.kernel_layers, act)
     plan.applied = True
-    if warm_up and plan.kernel_layers:
-        from .warmup import warm_up_kernels
-
-        plan.warm_up_seconds = warm_up_kernels(replaced[n] for n in plan.kernel_layers)
     from .fused_decode import install_fused_decode, uninstall_fused_decode
+    from .precompile import prefill_types, start_prefill_compile, wait_for
+    from .warmup import announce_when_slow, warm_up_kernels
 
     uninstall_fused_decode(model)
-    if fuse is None and fused_decode and kernels_ok and dense_weights != "on":
-        start = time.perf_counter()
-        plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics, kv_dtype=kv_dtype)
-        plan.warm_up_seconds += time.perf_counter() - start
-    else:
-        plan.fused_decode = f"fused decode: off ({fuse or _fused_off_reason(fused_decode, kernels_ok)})"
+    fusing = fuse is None and fused_decode and kernels_ok and dense_weights != "on"
+    with announce_when_slow(on_slow_warm_up if warm_up else None):
+        # a first start compiles the prefill kernel in a second process meanwhile (precompile.py)
+        child = start_prefill_compile(prefill_types(replaced[plan.kernel_layers[0]], numerics, kv_dtype)) \
+            if warm_up and precompile and fusing and plan.kernel_layers else None
+        try:
+            if warm_up and plan.kernel_layers:
+                plan.warm_up_seconds = warm_up_kernels(replaced[n] for n in plan.kernel_layers)
+            if fusing:
+                start = time.perf_counter()
+                plan.fused_decode = install_fused_decode(model, warm_up=warm_up, numerics=numerics,
+                                                         kv_dtype=kv_dtype, before_prefill=None if child is None
+                                                         else lambda: wait_for(child))
+                plan.warm_up_seconds += time.perf_counter() - start
+            else:
+                plan.fused_decode = f"fused decode: off ({fuse or _fused_off_reason(fused_decode, kernels_ok)})"
+        except BaseException:  # a failed or interrupted load leaves no child compiling behind
+            if child is not None:
+                child.kill()
+            raise
+        finally:
+            wait_for(child)  # at once: install_fused_decode waited for it, or it was killed
     reasons = []
     if not kernels_ok:
         reasons.append(kernels_why)

@@ -25,6 +25,7 @@ math (``fused_unsupported`` checks the type and each module) are fused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -502,10 +503,13 @@ def numerics_line(numerics: str) -> str:
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact",
-                         kv_dtype: str = "float32") -> str:
+                         kv_dtype: str = "float32", before_prefill: Callable[[], None] | None = None) -> str:
     """Fuse the model's single-token steps when its layers allow; returns a line for the plan.
     warm_up: run one step on a scratch cache now, so that compiling (or loading from numba's
-    disk cache) the layer kernel does not land in the first reply."""
+    disk cache) the layer kernel does not land in the first reply. before_prefill: with
+    warm_up, the decode step is warmed first, then this is called (it waits for the process
+    compiling the prefill kernel into numba's disk cache meanwhile: precompile.py), then the
+    prefill, which loads what that process left."""
     why = fused_unsupported(model)
     if why:
         return f"fused decode: off ({why})"
@@ -516,6 +520,9 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
 
         settings = CacheSettings()
         scratch = [PreallocKVCache(settings) for _ in dec.layers]
+        if before_prefill is not None:
+            dec.step(0, scratch)
+            before_prefill()
         dec.prefill(mx.array([0, 0]), scratch)
         dec.step(0, scratch)
         del scratch

@@ -4,14 +4,69 @@ numba compiles a kernel for each combination of argument types on its first call
 kernel the first time on a machine, then ~0.1 s to load it from numba's on-disk cache. Calling
 the same glue code on tiny arrays of the same dtypes and layouts at load time moves that cost
 out of the first reply's time to first token.
+
+On a CPU numba has not seen (a user's first start) that compile takes most of a minute (SmolLM2
+with numerics fast, 2 cores: ~50 s); ``announce_when_slow`` says so while it runs, so that a
+first start does not look hung.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Iterable
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator
 
 import mlx.core as mx
+
+# a warm-up that takes longer than this is compiling, not loading from numba's disk cache
+# (loading every kernel of a fused SmolLM2 plan takes ~1 s)
+SLOW_WARM_UP_S = 2.0
+REPEAT_S = 5.0  # how often the running notice is renewed with the time so far
+
+
+def compiling_line(seconds: float | None = None) -> str:
+    """The notice shown while the kernels compile (``seconds`` into it, when renewed)."""
+    so_far = f": {seconds:.0f} s so far" if seconds is not None else ""
+    return (f"compiling the CPU kernels for this CPU{so_far} (first start only, often a minute; "
+            "numba keeps them on disk for the next starts)")
+
+
+def compiled_line(seconds: float) -> str:
+    """The load note after a slow warm-up."""
+    return (f"CPU kernels ready in {seconds:.0f} s: compiled for this CPU (a first start); "
+            "later starts load them from numba's disk cache in about a second")
+
+
+@contextmanager
+def announce_when_slow(on_slow: Callable[[str], None] | None, after_s: float | None = None,
+                       every_s: float | None = None) -> Iterator[None]:
+    """Run the block; if it still runs after ``after_s`` (SLOW_WARM_UP_S), call
+    ``on_slow(compiling_line())`` from a helper thread, then every ``every_s`` (REPEAT_S) with the
+    time so far until it ends. numba compiles under the GIL but in Python, so the helper still
+    gets its turns. Nothing happens without ``on_slow``."""
+    if on_slow is None:
+        yield
+        return
+    after_s = SLOW_WARM_UP_S if after_s is None else after_s
+    every_s = REPEAT_S if every_s is None else every_s
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def announce() -> None:
+        if done.wait(after_s):
+            return
+        on_slow(compiling_line())
+        while not done.wait(every_s):
+            on_slow(compiling_line(time.perf_counter() - start))
+
+    helper = threading.Thread(target=announce, name="chatapp-warm-up-notice", daemon=True)
+    helper.start()
+    try:
+        yield
+    finally:
+        done.set()
+        helper.join()
 
 
 def warm_up_kernels(layers: Iterable) -> float:

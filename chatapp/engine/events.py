@@ -103,7 +103,7 @@ class Idle:
 class LoadProgress:
     """What the loading screen shows. ``percent`` is None while the length is unknown."""
 
-    phase: str  # "download", "load", "session"
+    phase: str  # "import", "load", "download", "kernels" (compiling on a first start), "session"
     detail: str = ""
     percent: float | None = None
 

@@ -23,9 +23,11 @@ from .memory import MemoryLimits, apply_limits
 from .session import Session
 
 
-def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None) -> LoadedModel:
+def load_engine(config, progress: Callable[[DownloadProgress], None] | None = None,
+                on_slow_warm_up: Callable[[str], None] | None = None) -> LoadedModel:
     """Set MLX's memory limits, load the model and give it the backend's fast path (the CPU plan
-    is a no-op on GPUs)."""
+    is a no-op on GPUs). ``on_slow_warm_up`` gets a line, from a helper thread, every few
+    seconds while the CPU kernels compile (a first start on this CPU)."""
     if config.chat.template and not config.chat.raw:
         try:  # a missing template file is said before the model loads, not after
             read_template_file(config.chat.template)
@@ -48,6 +50,7 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
         dense_budget_bytes=int(physical_memory_bytes() * cpu.dense_budget_fraction), numpy_matvec=cpu.numpy_matvec,
         kernels=cpu.kernels, kernel_max_tokens=cpu.kernel_max_tokens, threads=cpu.threads,
         fused_decode=cpu.fused_decode, numerics=cpu.numerics, kv_dtype=cpu.kv_dtype,
+        precompile=cpu.precompile, on_slow_warm_up=on_slow_warm_up,
     )
     loaded.memory_notes = memory_notes
     return loaded
@@ -105,6 +108,10 @@ def load_notices(loaded: LoadedModel) -> list[str]:
     if plan is not None and plan.applied:
         notes.append(f"CPU fast path: {plan.headline()}")
         notes.append(f"CPU routes: {'; '.join(plan.route_lines())}")
+        from chatapp.backend.warmup import SLOW_WARM_UP_S, compiled_line
+
+        if plan.warm_up_seconds >= SLOW_WARM_UP_S:
+            notes.append(compiled_line(plan.warm_up_seconds))
     if plan is not None:
         notes.extend(plan.warnings)
     notes.extend(getattr(loaded, "memory_notes", []))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .chat import MiB, ModelIdentity, PersistentChat
 
@@ -58,11 +59,13 @@ def release_old_model(active_before: int) -> ModelReleased:
     return ModelReleased(active_before, release_memory())
 
 
-def switch_model(config, chat: PersistentChat, spec: str) -> tuple[ModelSwitch, PersistentChat, object]:
+def switch_model(config, chat: PersistentChat, spec: str,
+                 on_slow_warm_up: Callable[[str], None] | None = None) -> tuple[ModelSwitch, PersistentChat, object]:
     """Load ``spec`` (a folder, a repo id or a GGUF file) and move ``chat``'s conversation onto it.
 
     Returns (result, the chat to use from now on, the config that loaded it). On failure the
-    old chat and config come back unchanged."""
+    old chat and config come back unchanged. ``on_slow_warm_up``: as load_engine's (the new
+    model's kernels may compile: other bits, group size or K/V dtype than the old one's)."""
     from chatapp.engine.model_switch import active_memory, adopt_conversation
     from chatapp.engine.setup import load_engine, session_from_config
 
@@ -76,7 +79,7 @@ def switch_model(config, chat: PersistentChat, spec: str) -> tuple[ModelSwitch, 
     result.active_before = active_memory()
     t0 = time.perf_counter()
     try:
-        loaded = load_engine(new_config)
+        loaded = load_engine(new_config, on_slow_warm_up=on_slow_warm_up)
         session = session_from_config(new_config, loaded)
     except Exception as e:  # noqa: BLE001 - any failure to load: one line, the old model stays
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

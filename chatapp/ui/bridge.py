@@ -59,7 +59,8 @@ class EngineBridge:
             detail = f"downloading {name}: file {min(p.files_done + 1, p.files_total)} of {p.files_total}"
             emit(LoadProgress("download", detail, p.percent))
 
-        loaded = load_engine(self.config, progress=on_download)
+        loaded = load_engine(self.config, progress=on_download,
+                             on_slow_warm_up=lambda line: emit(LoadProgress("kernels", line)))
         emit(LoadProgress("session", "preparing the session", 100.0))
         session = session_from_config(self.config, loaded)
         self._open_chat(session, loaded)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Callable
 
-from chatapp.engine.events import Failed
+from chatapp.engine.events import Failed, LoadProgress
 from chatapp.engine.requests import (
     DeleteConversation,
     EditLast,
@@ -90,7 +90,8 @@ class ChatWorker(EngineWorker):
     def _switch_model(self, chat, spec: str) -> None:
         """Load ``spec`` and move the conversation onto it; the old model stays on failure, and
         once nothing references it (the old chat lets go of its session) its memory is freed."""
-        result, new_chat, config = switch_model(self.bridge.config, chat, spec)
+        result, new_chat, config = switch_model(self.bridge.config, chat, spec,
+                                                on_slow_warm_up=lambda line: self._emit(LoadProgress("kernels", line)))
         if result.ok:
             self.session = new_chat.session
             self.bridge.chat, self.bridge.config = new_chat, config

@@ -139,7 +139,9 @@ class ModelDialog(ModalScreen[str | None]):
         self.current = current
         self.recent = [r for r in recent if r]
         self.on_choose = on_choose
-        self.loading = ""
+        # the model being loaded ("" when none); not ``loading``, Textual's reactive that covers
+        # the widget with a spinner and hid this dialog's status lines
+        self.loading_spec = ""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="model-box", classes="dialog"):
@@ -165,18 +167,24 @@ class ModelDialog(ModalScreen[str | None]):
 
     def choose(self, spec: str) -> None:
         spec = spec.strip()
-        if self.loading:
-            self.notify(f"still loading {self.loading}", severity="warning", markup=False)
+        if self.loading_spec:
+            self.notify(f"still loading {self.loading_spec}", severity="warning", markup=False)
             return
         if not spec:
             self.failed("give a model: a local folder, a Hugging Face repo id or a .gguf file")
             return
-        self.loading = spec
+        self.loading_spec = spec
         self.query_one("#model-status", Static).update(Text(f"loading {printable(spec)}…", style="italic"))
         self.on_choose(spec)
 
+    def progress(self, detail: str) -> None:
+        """A line from the load under way (the kernels compiling), under the model's name."""
+        if self.loading_spec:
+            self.query_one("#model-status", Static).update(
+                Text(f"loading {printable(self.loading_spec)}…\n{printable(detail)}", style="italic"))
+
     def failed(self, line: str) -> None:
-        self.loading = ""
+        self.loading_spec = ""
         self.query_one("#model-status", Static).update(Text(printable(line), style="bold red"))
 
     def action_cancel(self) -> None:

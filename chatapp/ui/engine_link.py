@@ -84,6 +84,8 @@ class EngineLinkApp(App[int]):
         ev = message.event
         if self.loading_screen is not None:
             self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
+        elif self.model_dialog is not None:  # a switch compiling the new model's kernels
+            self.model_dialog.progress(ev.detail)
 
     @on(InfoMessage)
     def _on_info(self, message: InfoMessage) -> None:

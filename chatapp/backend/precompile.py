@@ -1,0 +1,117 @@
+"""Compile the fused prefill kernel in a second process while this one compiles the decode step.
+
+numba compiles under one lock per process, so a first start on a CPU compiled the fused routes
+one after the other: SmolLM2 with numerics fast, 2 cores, ~28 s for ``prefill_step`` and ~20 s for
+the decode step and the MLX-route kernels. The prefill kernel's types depend only on the dtypes of
+the weights' scales and of the K/V cache (never on shapes, bits or group sizes: those are values),
+so a child process can compile it on a tiny random Llama of the same dtypes and leave it in numba's
+disk cache, from which this process then loads it in well under a second. The child runs only
+when that cache holds no ``prefill_step`` at all (a first start, or a new numba or source) and the
+machine has a second core; it is a speed-up only, so any failure of it is ignored (this process
+then compiles the kernel itself, as before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+# the tiny model the child compiles on: the kernels' smallest legal widths (multiples of 64)
+_TINY = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+             intermediate_size=256, vocab_size=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+@dataclass(frozen=True)
+class PrefillTypes:
+    """What fixes prefill_step's signature: the MLX dtype of the weights' scales (and biases),
+    the K/V buffers' dtype and the numerics (fast adds the int8 activations' arrays)."""
+
+    scales_dtype: str  # "float16", "bfloat16", "float32"
+    kv_dtype: str  # resolved: "float16" or "float32"
+    numerics: str  # resolved: "exact" or "fast"
+
+
+def prefill_types(layer, numerics: str, kv_dtype: str) -> PrefillTypes:
+    """The PrefillTypes of a model whose kernel layers are like ``layer``, under the settings."""
+    from .fused_decode import resolve_kv_dtype, resolve_numerics
+
+    return PrefillTypes(str(layer["scales"].dtype).rsplit(".", 1)[-1], resolve_kv_dtype(kv_dtype),
+                        resolve_numerics(numerics))
+
+
+def prefill_cached() -> bool:
+    """Whether numba's disk cache holds a ``prefill_step`` compiled for this CPU (any
+    signature) and for the source as it is: its index (numba drops a stale one) has an entry
+    with this machine's codegen key. Unknown (a numba internal that moved) counts as cached:
+    no child then."""
+    from chatapp.kernels.prefill_step import prefill_step
+
+    try:
+        magic = prefill_step.targetctx.codegen().magic_tuple()
+        return any(key[1] == magic for key in prefill_step._cache._cache_file._load_index())
+    except Exception:  # noqa: BLE001 - numba internals: any change means "do not start a child"
+        return True
+
+
+def start_prefill_compile(types: PrefillTypes) -> subprocess.Popen | None:
+    """Start the child that compiles prefill_step for ``types``, or None where it would not help
+    (the kernel already cached, one core, or the child cannot start)."""
+    if (os.cpu_count() or 1) < 2 or prefill_cached():
+        return None
+    try:
+        return subprocess.Popen([sys.executable, "-m", "chatapp.backend.precompile", json.dumps(asdict(types))],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                close_fds=True)
+    except OSError:
+        return None
+
+
+def wait_for(child: subprocess.Popen | None, timeout_s: float = 600.0) -> bool:
+    """Wait for the child; True when it compiled (exit 0). A child that hangs is killed."""
+    if child is None:
+        return False
+    try:
+        return child.wait(timeout=timeout_s) == 0
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        return False
+
+
+def compile_prefill(types: PrefillTypes) -> None:
+    """Run one prefill chunk of a tiny random Llama of ``types`` through the fused route (what
+    the child does): numba compiles prefill_step and writes it to its disk cache."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from cache import CacheSettings, PreallocKVCache
+    from chatapp.kernels.pool import set_threads
+
+    from .fused_decode import FusedDecoder
+
+    model = llama.Model(llama.ModelArgs.from_dict({"model_type": "llama", **_TINY}))
+    nn.quantize(model, group_size=32, bits=4)
+    dtype = getattr(mx, types.scales_dtype)
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):  # the fused routes read these as stored
+            m.scales, m.biases = m.scales.astype(dtype), m.biases.astype(dtype)
+    mx.eval(model.parameters())
+    set_threads(1)  # one kernel thread: the parent's decode compile has the other core
+    # the plain quantised layers (no CPU routes): FusedDecoder reads their packed views as the
+    # routes would hand them over
+    dec = FusedDecoder(model, types.numerics, types.kv_dtype)
+    caches = [PreallocKVCache(CacheSettings()) for _ in dec.layers]
+    dec.prefill(mx.array([0, 0]), caches)
+
+
+def main(argv: list[str]) -> int:
+    compile_prefill(PrefillTypes(**json.loads(argv[0])))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - run as the child
+    sys.exit(main(sys.argv[1:]))
