@@ -212,3 +212,19 @@ def test_quality_and_recall_benches_compare_quantised_rows_at_equal_bytes(tmp_pa
                             "--cache-mode", "window@48,scored-quant@48", "--json", str(js2)])
     assert recall_bench.run(args) == 0
     assert [r[0] for r in json.loads(js2.read_text())["rows"]] == ["window@48", "scored-quant@48"]
+
+
+@pytest.mark.shared
+def test_start_bench_smoke(tmp_path, stories4_path):
+    """chatapp bench start on stories260K-4bit (no fused route, so nothing long to compile): every
+    variant runs the app in a process of its own and lands in the table; a missing model is one line."""
+    from chatapp.bench import start_bench
+
+    js = tmp_path / "start.json"
+    args = parse("start", ["--model", str(stories4_path), "--repeats", "1", "--no-llama-cpp", "--json", str(js)])
+    assert start_bench.run(args) == 0
+    data = json.loads(js.read_text())
+    assert [r[0] for r in data["rows"]] == list(start_bench.VARIANTS)
+    assert all(r[1] > 0 for r in data["rows"]) and all(len(t) == 1 for t in data["meta"]["times"].values())
+    with pytest.raises(SystemExit, match="no model at"):
+        start_bench.run(parse("start", ["--model", str(tmp_path / "missing.gguf")]))

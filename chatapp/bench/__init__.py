@@ -21,6 +21,7 @@ BENCHES = {
     "cpu": "chatapp.bench.cpu_bench",
     "resume": "chatapp.bench.resume_bench",
     "prefix": "chatapp.bench.prefix_bench",
+    "start": "chatapp.bench.start_bench",
     "distributed": "chatapp.bench.distributed_bench",
     "numerics": "chatapp.bench.numerics_bench",
     "recall": "chatapp.bench.recall_bench",

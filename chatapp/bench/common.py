@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 STORIES = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K-4bit"
+SMOLLM2_GGUF = STORIES.parent / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAMES = ("random", "stories")
 
 

@@ -17,10 +17,11 @@ import math
 import time
 from pathlib import Path
 
+from chatapp.bench.common import SMOLLM2_GGUF
 from chatapp.bench.report import BenchReport, emit
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
-DEFAULT_MODEL = SHARED / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL = SMOLLM2_GGUF
 DEFAULT_TEXT = SHARED / "docs" / "architecture.md"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

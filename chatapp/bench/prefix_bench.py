@@ -18,7 +18,8 @@ alone renders to), in a temporary data directory:
 TTFT is the Session's own ``TurnStats.ttft``: from the start of ``reply()`` (prompt rendering and
 tokenisation included, and for warm the whole prefix-store lookup) to the first token. Both
 replies are greedy, ``--max-tokens`` long; the bench checks that cold and warm generate the same
-token ids. Target: warm at least :data:`TARGET_SPEEDUP` x faster than cold at 2,000 tokens.
+token ids. Targets (:data:`TARGETS`): warm at least 10x sooner than cold at 2,000 system tokens,
+and at least 3x at 360 (issue 16's, on SmolLM2: ``--model FILE.gguf --system-tokens 360``).
 
 Models (``--models``): ``stories`` (``../shared/models/stories260K-4bit``) and ``random``: a
 random-weight 4-bit Llama of realistic width (hidden 2048, 4 layers, 16 heads of 128 sharing 4 KV
@@ -43,8 +44,8 @@ from chatapp.bench.report import BenchReport, emit, int_list, line_plot
 RANDOM_SHAPE = dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
                     head_dim=128, intermediate_size=5632, vocab_size=258, max_position_embeddings=4096)
 LLAMA2_TOKENIZER = STORIES.parent / "llama2-tokenizer"
-TARGET_SPEEDUP = 10.0
-TARGET_TOKENS = 2000
+# (system tokens at least, speedup at least): warm against cold with identical greedy tokens
+TARGETS = ((2000, 10.0), (360, 3.0))
 FIRST_MESSAGE = "Tell me a story about a little cat who lived near the sea."
 NEXT_MESSAGE = "What did the little dog find in the garden?"
 PERSONA = ("You are a friendly storyteller for small children. You tell short, happy stories about animals, "
@@ -187,6 +188,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="chatapp-prefix-bench-") as tmp:
         for name in names:
             model, tok, ident, desc = _load(name, args, Path(tmp))
+            label = Path(args.model).name if name == "model" else name  # the file, in the table
             fp = fast_path(model, args.no_fast_path)
             models_meta[name] = dict(model=desc, fast_path=fp)
             print(f"# {name}: {desc}\n# {fp}")
@@ -215,7 +217,7 @@ def run(args) -> int:
                 t_warm = statistics.median(x["ttft"] for x in warm) * 1000
                 t_load = statistics.median(x["prefix_s"] for x in warm) * 1000
                 speedup = t_cold / t_warm
-                rep.add(name, length, cold[-1]["prompt"], warm[-1]["prefix"], round(stored["bytes"] / (1 << 20), 2),
+                rep.add(label, length, cold[-1]["prompt"], warm[-1]["prefix"], round(stored["bytes"] / (1 << 20), 2),
                         round(t_cold, 1), round(t_warm, 1), round(t_load, 1), round(speedup, 1),
                         "yes" if same else "NO")
                 runs_meta.append(dict(model=name, system_tokens=length, stored=stored, mode=warm[-1]["mode"],
@@ -226,9 +228,11 @@ def run(args) -> int:
                 ys_warm.append(t_warm)
                 print(f"# {name} {length} system tokens: cold {t_cold:.1f} ms, warm {t_warm:.1f} ms "
                       f"({speedup:.1f}x), tokens {'identical' if same else 'DIFFER'}")
-                if length >= TARGET_TOKENS:
-                    targets.append(dict(model=name, system_tokens=length, speedup=round(speedup, 2), same_tokens=same,
-                                        passed=speedup >= TARGET_SPEEDUP and same))
+                for at_least, wanted in TARGETS:
+                    if length >= at_least:
+                        targets.append(dict(model=label, system_tokens=length, wanted=wanted, speedup=round(speedup, 2),
+                                            same_tokens=same, passed=speedup >= wanted and same))
+                        break  # the most demanding target the length reaches
             series[f"{name}: cold"] = (xs, ys_cold)
             series[f"{name}: warm (prefix store)"] = (xs, ys_warm)
     rep.meta.update(
@@ -245,7 +249,7 @@ def run(args) -> int:
     print()
     print("## targets")
     for t in targets:
-        print(f"{'PASS' if t['passed'] else 'FAIL'}  [{t['model']}] warm >= {TARGET_SPEEDUP:g}x faster than cold at "
+        print(f"{'PASS' if t['passed'] else 'FAIL'}  [{t['model']}] warm >= {t['wanted']:g}x faster than cold at "
               f"{t['system_tokens']} system tokens with identical greedy tokens: {t['speedup']}x, "
               f"tokens {'identical' if t['same_tokens'] else 'DIFFER'}")
     return 0 if all_same else 1

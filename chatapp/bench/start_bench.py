@@ -1,0 +1,109 @@
+"""Time from launch to the first reply: a first start on this CPU (kernels compiled) vs later ones.
+
+Each run is the app itself in a process of its own, ``chatapp --no-tui -p "Hi" --max-tokens 1``,
+timed from the launch to its exit (imports, model load, the CPU plan and its kernel warm-up, one
+turn), with numba's disk cache (``NUMBA_CACHE_DIR``) pointed at:
+
+- ``first start``: an empty folder, ``cpu.precompile = true`` (the app's default: the fused prefill
+  kernel compiles in a second process meanwhile, backend/precompile.py);
+- ``first start, one process``: an empty folder, ``cpu.precompile = false`` (as before stop 27);
+- ``later start``: a folder a first run filled (untimed).
+
+With llama-cpp-python importable, ``llama.cpp`` is the peer: a process that loads the same GGUF
+and generates one token (it ships compiled: it has no first start). Variants alternate, the
+order rotating each round; medians of ``--repeats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from chatapp.bench.common import SMOLLM2_GGUF
+from chatapp.bench.report import BenchReport, emit
+
+VARIANTS = ("first start", "first start, one process", "later start")
+_LLAMA = ("import sys\nfrom llama_cpp import Llama\n"
+          "m = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), verbose=False)\n"
+          "m.create_completion('Hi', max_tokens=1)\n")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(SMOLLM2_GGUF), help="a GGUF file or model folder (default SmolLM2 Q4_1)")
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per variant (default 2)")
+    p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave the llama.cpp peer out")
+
+
+def _llama_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _chatapp_run(args, tmp: Path, cache_dir: Path, precompile: bool) -> float:
+    config = tmp / f"precompile-{precompile}.toml"
+    config.write_text(f"[cpu]\nprecompile = {'true' if precompile else 'false'}\nthreads = {args.threads}\n")
+    cmd = [sys.executable, "-m", "chatapp", "--no-tui", "--no-save", "--data-dir", str(tmp / "data"),
+           "--config", str(config), "-m", args.model, "-p", "Hi", "--max-tokens", "1", "--temp", "0"]
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache_dir))
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"start bench: chatapp failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+    return seconds
+
+
+def _llama_run(args) -> float:
+    threads = args.threads or os.cpu_count() or 1
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _LLAMA, args.model, str(threads)], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"start bench: llama.cpp failed: {out.stderr.strip()[-500:]}")
+    return seconds
+
+
+def run(args) -> int:
+    if not Path(args.model).exists():
+        raise SystemExit(f"start bench: no model at {args.model}")
+    peers = list(VARIANTS) + (["llama.cpp"] if not args.no_llama_cpp and _llama_available() else [])
+    times: dict[str, list[float]] = {p: [] for p in peers}
+    with tempfile.TemporaryDirectory(prefix="chatapp-start-bench-") as name:
+        tmp = Path(name)
+        warm = tmp / "numba-warm"
+        _chatapp_run(args, tmp, warm, precompile=True)  # fills the later starts' cache, untimed
+        for r in range(args.repeats):
+            order = peers[r % len(peers):] + peers[:r % len(peers)]
+            for peer in order:
+                if peer == "llama.cpp":
+                    t = _llama_run(args)
+                elif peer == "later start":
+                    t = _chatapp_run(args, tmp, warm, precompile=True)
+                else:
+                    t = _chatapp_run(args, tmp, tmp / f"numba-cold-{r}-{len(times[peer])}-{peer[-7:]}",
+                                     precompile=peer == "first start")
+                times[peer].append(t)
+                print(f"# round {r + 1}: {peer}: {t:.2f} s", flush=True)
+    base = statistics.median(times["first start, one process"])
+    rep = BenchReport("start: launch to the first reply's exit, seconds (medians)",
+                      ["run", "median s", "min s", "x first start one process"])
+    for peer in peers:
+        med = statistics.median(times[peer])
+        rep.add(peer, round(med, 2), round(min(times[peer]), 2), round(base / med, 2))
+    rep.meta.update(model=args.model, repeats=args.repeats, threads=args.threads or os.cpu_count(),
+                    cpus=os.cpu_count(), times=times,
+                    method="each run its own process, launch to exit (imports, load, CPU plan and kernel "
+                           "warm-up, one turn of 1 token); NUMBA_CACHE_DIR empty for first starts, filled for later "
+                           "ones; peers alternate, the order rotating each round")
+    emit(rep, args.json)
+    return 0
