@@ -14,6 +14,8 @@ import pytest
 
 from chatapp.backend import precompile
 from chatapp.backend.precompile import PrefillTypes, start_prefill_compile, wait_for
+from chatapp.kernels import pool
+from chatapp.kernels.pool import usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +46,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the child only starts with a second core")
+@pytest.mark.skipif(usable_cores() < 2, reason="the child only starts with a second core")
 def test_a_first_start_compiles_the_prefill_in_a_child_and_loads_it(tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PYTHONPATH=str(ROOT))
     out = subprocess.run([sys.executable, "-c", _SCRIPT.format(tests=str(ROOT / "tests"))], env=env,
@@ -61,7 +63,7 @@ def test_no_child_where_the_kernel_is_cached_or_on_one_core(monkeypatch):
     monkeypatch.setattr(precompile, "prefill_cached", lambda: True)
     assert start_prefill_compile(types) is None
     monkeypatch.setattr(precompile, "prefill_cached", lambda: False)
-    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(pool, "usable_cores", lambda: 1)
     assert start_prefill_compile(types) is None
     assert wait_for(None) is False
 

@@ -1,20 +1,20 @@
 """Compile the fused prefill kernel in a second process while this one compiles the decode step.
 
 numba compiles under one lock per process, so a first start on a CPU compiled the fused routes
-one after the other: SmolLM2 with numerics fast, 2 cores, ~28 s for ``prefill_step`` and ~20 s for
-the decode step and the MLX-route kernels. The prefill kernel's types depend only on the dtypes of
-the weights' scales and of the K/V cache (never on shapes, bits or group sizes: those are values),
-so a child process can compile it on a tiny random Llama of the same dtypes and leave it in numba's
-disk cache, from which this process then loads it in well under a second. The child runs only
-when that cache holds no ``prefill_step`` at all (a first start, or a new numba or source) and the
-machine has a second core; it is a speed-up only, so any failure of it is ignored (this process
-then compiles the kernel itself, as before).
+one after the other: SmolLM2 with numerics fast, 2 cores, ~21 s for ``prefill_step`` and as much
+for the decode step and the MLX-route kernels (40 s in all; 61 s before stop 27's kernel cuts).
+The prefill kernel's types depend only on the dtypes of the weights' scales and of the K/V cache
+and on the numerics (never on shapes, bits or group sizes: those are values), so a child process
+can compile it on a tiny random Llama of the same dtypes and leave it in numba's disk cache, from
+which this process then loads it in well under a second. The child runs only when that cache
+holds no ``prefill_step`` for this CPU (a first start, or a new numba or source) and the process
+may use a second core. It is a speed-up only: if it fails, this process compiles the kernel
+itself, as before.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -59,7 +59,9 @@ def prefill_cached() -> bool:
 def start_prefill_compile(types: PrefillTypes) -> subprocess.Popen | None:
     """Start the child that compiles prefill_step for ``types``, or None where it would not help
     (the kernel already cached, one core, or the child cannot start)."""
-    if (os.cpu_count() or 1) < 2 or prefill_cached():
+    from chatapp.kernels.pool import usable_cores
+
+    if usable_cores() < 2 or prefill_cached():
         return None
     try:
         return subprocess.Popen([sys.executable, "-m", "chatapp.backend.precompile", json.dumps(asdict(types))],

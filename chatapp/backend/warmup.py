@@ -5,9 +5,10 @@ kernel the first time on a machine, then ~0.1 s to load it from numba's on-disk 
 the same glue code on tiny arrays of the same dtypes and layouts at load time moves that cost
 out of the first reply's time to first token.
 
-On a CPU numba has not seen (a user's first start) that compile takes most of a minute (SmolLM2
-with numerics fast, 2 cores: ~50 s); ``announce_when_slow`` says so while it runs, so that a
-first start does not look hung.
+On a CPU numba has not seen (a user's first start) that compile takes tens of seconds (SmolLM2
+with numerics fast, 2 cores: ~23 s with the prefill compiling in a second process, precompile.py;
+~38 s without); ``announce_when_slow`` says so while it runs, so that a first start does not look
+hung.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ REPEAT_S = 5.0  # how often the running notice is renewed with the time so far
 def compiling_line(seconds: float | None = None) -> str:
     """The notice shown while the kernels compile (``seconds`` into it, when renewed)."""
     so_far = f": {seconds:.0f} s so far" if seconds is not None else ""
-    return (f"compiling the CPU kernels for this CPU{so_far} (first start only, often a minute; "
+    return (f"compiling the CPU kernels for this CPU{so_far} (first start only, usually under a minute; "
             "numba keeps them on disk for the next starts)")
 
 
