@@ -178,11 +178,14 @@ class ChannelQuantBuffer:
                move: Callable[[mx.array, mx.array], mx.array]) -> None:
         """Keep the held tokens ``keep`` (sorted), moving each kept key by its ``deltas`` entry
         with ``move(keys, deltas)`` (scored eviction). Groups before the first dropped token stay
-        as packed; the keys from that group on are dequantised, moved and quantised again."""
-        dropped = next((i for i, j in enumerate(keep) if i != j), len(keep))
-        if dropped == len(keep) == self.length:
+        as packed; the keys from that group on are dequantised, moved and quantised again. (An
+        eviction moves no key before the first dropped one; a key that moves is a change too, so
+        keeping every token with some delta re-quantises from that key's group, where this
+        returned early and dropped the moves.)"""
+        changed = next((i for i, (j, d) in enumerate(zip(keep, deltas)) if i != j or d), len(keep))
+        if changed == len(keep) == self.length:
             return
-        cut = dropped // self.group_size * self.group_size
+        cut = changed // self.group_size * self.group_size
         tail = [(j, d) for j, d in zip(keep, deltas) if j >= cut]
         values = [mx.take(b, mx.array(keep, mx.int32), axis=2) for b in self.values]
         if tail:
