@@ -123,6 +123,15 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
         assert app.last_stats.prefix_tokens > 0
 
 
+async def open_model_dialog(pilot) -> ModelDialog:
+    """Wait for the model to load, then open the model dialog (F12)."""
+    await ready(pilot)
+    await pilot.press("f12")
+    dialog = pilot.app.screen
+    assert isinstance(dialog, ModelDialog)
+    return dialog
+
+
 @async_test
 async def test_the_model_dialog_shows_the_kernels_compiling_during_a_switch(stories4_path):
     """A switch to a model whose kernels compile (a first start of its bits, group or K/V dtype)
@@ -130,10 +139,7 @@ async def test_the_model_dialog_shows_the_kernels_compiling_during_a_switch(stor
     the line is not shown."""
     app = make_app(stories4_path)
     async with app.run_test(size=(160, 30)) as pilot:
-        await ready(pilot)
-        await pilot.press("f12")
-        dialog = app.screen
-        assert isinstance(dialog, ModelDialog)
+        dialog = await open_model_dialog(pilot)
         app.post_message(message_for(LoadProgress("kernels", compiling_line(12))))
         await pilot.pause()
         assert "compiling the CPU" not in await screen_text(pilot)
@@ -149,10 +155,7 @@ async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_t
                                                                                    monkeypatch):
     app = make_app(stories4_path)
     async with app.run_test(size=(100, 30)) as pilot:
-        await ready(pilot)
-        await pilot.press("f12")
-        dialog = app.screen
-        assert isinstance(dialog, ModelDialog)
+        dialog = await open_model_dialog(pilot)
         monkeypatch.setattr(app, "_refuse_busy", lambda what: True)  # as while a reply streams
         dialog.query_one("#model-input").value = str(stories_path)
         await pilot.press("enter")
@@ -174,9 +177,7 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
         before = [(e.role, e.text) for e in app.entries]
         old_session = weakref.ref(app.bridge.chat.session)
         old_model = weakref.ref(app.bridge.chat.session.model)
-        await pilot.press("f12")
-        dialog = app.screen
-        assert isinstance(dialog, ModelDialog)
+        dialog = await open_model_dialog(pilot)
         dialog.query_one("#model-input").value = str(tmp_path / "no-such-model")
         await pilot.press("enter")
         await wait_until(pilot, lambda: not app.bridge.busy and not dialog.loading_spec, what="the failed load")

@@ -17,6 +17,7 @@ order rotating each round; medians of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -39,14 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per variant (default 2)")
     p.add_argument("--threads", type=int, default=0, help="kernel threads (0: one per core)")
     p.add_argument("--no-llama-cpp", action="store_true", help="leave the llama.cpp peer out")
-
-
-def _llama_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _chatapp_run(args, tmp: Path, cache_dir: Path, precompile: bool) -> float:
@@ -76,7 +69,8 @@ def _llama_run(args) -> float:
 def run(args) -> int:
     if not Path(args.model).exists():
         raise SystemExit(f"start bench: no model at {args.model}")
-    peers = list(VARIANTS) + (["llama.cpp"] if not args.no_llama_cpp and _llama_available() else [])
+    llama = not args.no_llama_cpp and importlib.util.find_spec("llama_cpp") is not None
+    peers = list(VARIANTS) + (["llama.cpp"] if llama else [])
     times: dict[str, list[float]] = {p: [] for p in peers}
     with tempfile.TemporaryDirectory(prefix="chatapp-start-bench-") as name:
         tmp = Path(name)

@@ -155,7 +155,7 @@ def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _quantised(xp, fast, block, unit, planes=1):  # pragma: no cover - jitted
+def _quantised(xp, fast, block, unit, planes):  # pragma: no cover - jitted
     """The int8 (``planes`` 1) or 16-bit (2) activations of xp [T, K] for the panel kernel
     (quantise_panel_tokens), tokens padded with zeros to panel_token_rows(T); tiny arrays when
     not ``fast`` (nothing reads them)."""
