@@ -192,3 +192,20 @@ def test_numerics_auto_is_fast_only_where_the_cpu_multiplies_int8_in_one_instruc
         assert resolve_numerics("auto") == want
         assert numerics_line("auto").startswith(f"numerics {want}")
         assert resolve_numerics("exact") == "exact" and resolve_numerics("fast") == "fast"
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_any_chunking_of_the_projections_gives_the_same_bits(chunks, monkeypatch):
+    """How the token step cuts each projection between the threads (rows_per_chunk) moves no
+    arithmetic: the logits are bit-identical to the default cut's."""
+    shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=64, intermediate_size=704, vocab_size=256)
+    outs = []
+    for n in (0, chunks):
+        m = _model(shape=shape)
+        apply_fast_path(m, backend="cpu", warm_up=False)
+        assert is_fused(m)
+        monkeypatch.setattr(FusedDecoder, "chunks", n)
+        _, logits, _ = _decode(m, [3, 1, 4, 1, 5], 3)
+        outs.append(np.stack(logits))
+    assert np.array_equal(outs[0], outs[1])

@@ -132,6 +132,9 @@ class FusedDecoder:
     # False: every new K/V row goes through update_and_fetch, as before rows were written in
     # place (the benches' same-run baseline: chatapp bench cpu --model ... peer chatapp-append)
     write_in_place = True
+    # chunks each projection of the token step is cut into; 0: CHUNKS_PER_THREAD per pool thread
+    # (the tests set others: the result is the same bits for any)
+    chunks = 0
 
     def __init__(self, model: nn.Module, numerics: str = "exact", kv_dtype: str = "float32"):
         inner = _inner(model)
@@ -321,7 +324,7 @@ class FusedDecoder:
 
     def step(self, token: int, caches: list) -> np.ndarray:
         """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
-        from chatapp.kernels.decode_step import CTL_SIZE, rope_angles, token_step
+        from chatapp.kernels.decode_step import CHUNKS_PER_THREAD, CTL_SIZE, rope_angles, token_step
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
@@ -335,7 +338,8 @@ class FusedDecoder:
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
                          n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._part, self._act,
-                         self.fast_mask, write, _kv_like(caches))
+                         self.fast_mask, write, _kv_like(caches),
+                         self.chunks or CHUNKS_PER_THREAD * pool().threads)
         k_new = v_new = None
         for i, c in enumerate(caches):
             if write[i]:

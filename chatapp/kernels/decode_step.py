@@ -50,9 +50,24 @@ FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
 FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
 # fast >> FAST_BLOCK_SHIFT: the activation elements per int8 scale (8, 16 or 32; 0: ACT_BLOCK)
 FAST_BLOCK_SHIFT = 8
-# rows per claimed chunk: each claim and each done count moves a cache line between the cores
-# (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
+# rows per claimed chunk at least: each claim and each done count moves a cache line between the
+# cores (SmolLM2, 2 threads: 16 rows ~11 ms a token in the kernel, 48 rows ~9-10)
 ROW_CHUNK = 48
+# ...and each projection is cut into about this many chunks per thread: a thread's first rows of a
+# chunk wait for memory the prefetch of its last chunk did not ask for (it ran ahead into rows the
+# other thread claimed), so on a 7B layer 48-row chunks lost ~8% of decode to those cold starts.
+# 8 per thread leaves the barrier at the end of a phase waiting for at most an eighth of a
+# thread's share. Llama-2-7B geometry, 8 layers, 2 threads, Xeon: 17.1 -> 18.5 tok/s, alternating
+# (BENCHMARKS.md, "Decode chunks sized to the projection").
+CHUNKS_PER_THREAD = 8
+
+
+@njit(nogil=True, cache=True)
+def rows_per_chunk(n, chunks):  # pragma: no cover - jitted
+    """Rows of each claimed chunk when n rows are cut into about ``chunks`` pieces: a multiple
+    of the 4-row kernels' ROWS, never under ROW_CHUNK."""
+    c = (n + chunks - 1) // max(chunks, 1)
+    return max(ROW_CHUNK, (c + ROWS - 1) // ROWS * ROWS)
 # Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
 # at a barrier then reads a line the claiming thread does not write to on every claim.
 LINE = 8  # int64s per cache line
@@ -188,7 +203,8 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, part, act, fast=0, write_kv=0):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, part, act, fast=0, write_kv=0,
+               chunks=2 * CHUNKS_PER_THREAD):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -201,7 +217,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     n_cached (the caller made room and checked that no view handed out covers that row), else
     the caller appends them. q, k_new (before RoPE) [heads * D], part
     [group_attention.part_size floats] (the attention's per-split partials) and act [hidden] are
-    shared scratch."""
+    shared scratch. ``chunks``: about how many chunks each projection is cut into (CHUNKS_PER_THREAD
+    per pool thread)."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -214,8 +231,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     xo = np.empty(kmax // 2, np.float32)
     xsum = np.empty(kmax // group_size, np.float32)
     no_norm = np.empty(0, np.float32)
-    gbuf = np.empty(ROW_CHUNK, np.float32)
-    ubuf = np.empty(ROW_CHUNK, np.float32)
+    gbuf = np.empty(rows_per_chunk(hidden, chunks), np.float32)
+    ubuf = np.empty(rows_per_chunk(hidden, chunks), np.float32)
     xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32),
           np.empty(kmax // 8, np.float32))
     # fast: a bit per product group on int8 activations (FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN)
@@ -227,12 +244,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # 1. q, k, v rows (one phase over their rows together)
     _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
              f_qkv, xq, blk)
-    n1 = (nqkv + ROW_CHUNK - 1) // ROW_CHUNK
+    ch1 = rows_per_chunk(nqkv, chunks)
+    n1 = (nqkv + ch1 - 1) // ch1
     while True:
         c = phase_claim(ctl, 0, n1)
         if c < 0:
             break
-        a, b = c * ROW_CHUNK, min(nqkv, (c + 1) * ROW_CHUNK)
+        a, b = c * ch1, min(nqkv, (c + 1) * ch1)
         # the chunk's rows, cut where q's rows end and k's, then v's, begin
         for lo_, hi_, w, wb, dst, off in ((0, nq, wq, bits[0], q, 0), (nq, nq + nk, wk, bits[1], k_new, nq),
                                           (nq + nk, nqkv, wv, bits[2], v_new, nq + nk)):
@@ -289,12 +307,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # 3. x += o_proj(attn)
     ka = n_heads * D
     _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk)
-    n3 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
+    ch3 = rows_per_chunk(dim, chunks)
+    n3 = (dim + ch3 - 1) // ch3
     while True:
         c = phase_claim(ctl, 2, n3)
         if c < 0:
             break
-        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        a, b = c * ch3, min(dim, (c + 1) * ch3)
         _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq)
         phase_done(ctl, 2)
     phase_barrier(ctl, 2, n3)
@@ -302,12 +321,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # 4. act = silu(gate(m)) * up(m)
     _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
              f_gu, xq, blk)
-    n4 = (hidden + ROW_CHUNK - 1) // ROW_CHUNK
+    ch4 = rows_per_chunk(hidden, chunks)
+    n4 = (hidden + ch4 - 1) // ch4
     while True:
         c = phase_claim(ctl, 3, n4)
         if c < 0:
             break
-        a, b = c * ROW_CHUNK, min(hidden, (c + 1) * ROW_CHUNK)
+        a, b = c * ch4, min(hidden, (c + 1) * ch4)
         _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq)
         _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq)
         for r in range(a, b):
@@ -318,12 +338,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
              xsum[:hidden // group_size], f_down, xq, blk)
-    n5 = (dim + ROW_CHUNK - 1) // ROW_CHUNK
+    ch5 = rows_per_chunk(dim, chunks)
+    n5 = (dim + ch5 - 1) // ch5
     while True:
         c = phase_claim(ctl, 4, n5)
         if c < 0:
             break
-        a, b = c * ROW_CHUNK, min(dim, (c + 1) * ROW_CHUNK)
+        a, b = c * ch5, min(dim, (c + 1) * ch5)
         _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq)
         phase_done(ctl, 4)
     phase_barrier(ctl, 4, n5)
@@ -335,7 +356,8 @@ CTL_SIZE = 2 * LINE * PHASES
 @njit(fastmath=True, nogil=True, cache=True)
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-               scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like):  # pragma: no cover - jitted
+               scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like,
+               chunks):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -347,7 +369,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
     4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*).
     write_kv [L] (int64): per layer, whether the new K/V row goes into the cache buffers in
-    place at row n_cached (see layer_step)."""
+    place at row n_cached (see layer_step). chunks: as layer_step's."""
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], kv_like)
@@ -356,7 +378,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
                    n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
-                   write_kv[layer])
+                   write_kv[layer], chunks)
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
