@@ -104,7 +104,9 @@ def fused_unsupported(model: nn.Module) -> str | None:
 
 @dataclass
 class _Layer:
-    weights: tuple  # 7 x (packed, scales, biases) numpy views
+    # 7 x (packed, scales, biases) numpy views; biases [N, 0] where symmetric (kernels/affine.py:
+    # GGUF Q4_0's -8 x scale in every group, which a decoded token then does not read)
+    weights: tuple
     bits: np.ndarray
     attn_norm: np.ndarray
     mlp_norm: np.ndarray
@@ -145,11 +147,14 @@ class FusedDecoder:
         self.fast = resolve_numerics(numerics) == "fast"
         # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
         self.prefill_chunks = True
+        from chatapp.kernels.affine import drop_symmetric_biases
+
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
             self.layers.append(_Layer(
-                tuple((pw.packed, pw.scales, pw.biases) for pw in pws), np.array([pw.bits for pw in pws], np.int64),
+                tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws),
+                np.array([pw.bits for pw in pws], np.int64),
                 _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
                 np.float32(layer["input_layernorm"].eps)))
             if layer["post_attention_layernorm"].eps != layer["input_layernorm"].eps:

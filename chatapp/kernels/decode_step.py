@@ -27,7 +27,8 @@ appends them through the cache's own ``update_and_fetch`` (MLX's copy-on-write t
 any snapshot that shares the buffer).
 
 Weights are MLX's affine 4- or 8-bit layout (qmatmul.py); all projections of a layer share one
-group size. Scales/biases float32 or float16 bits (uint16), as the other kernels read them.
+group size. Scales/biases float32 or float16 bits (uint16), as the other kernels read them; an
+empty bias array ([N, 0]) means symmetric weights (affine.py: GGUF Q4_0, Q8_0).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .affine import bias_at
 from .group_attention import SLOT, attend_split, merge_splits, n_splits
 from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, quantise_lanes
-from .llvm import as_f32, atomic_add
+from .llvm import atomic_add
 from .microkernels import A_ROWS
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
@@ -141,8 +143,8 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
         d = q4_row_dot(packed[r], xe, xo, scales[r], group_size)
     else:
         d = q8_row_dot(packed[r], xn, scales[r], group_size)
-    for g in range(biases.shape[1]):
-        d += as_f32(biases[r, g]) * xsum[g]
+    for g in range(scales.shape[1]):
+        d += bias_at(scales, biases, bits, r, g) * xsum[g]
     return d
 
 
@@ -164,8 +166,8 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
             for i in range(ROWS):
                 d = tmp[i]
                 if not fast:
-                    for g in range(biases.shape[1]):
-                        d += as_f32(biases[r + i, g]) * xsum[g]
+                    for g in range(scales.shape[1]):
+                        d += bias_at(scales, biases, 4, r + i, g) * xsum[g]
                 if add:
                     dst[r - r_start + i] += d
                 else:

@@ -167,7 +167,8 @@ def wide_steps(builder: ir.IRBuilder, nstep, tail, n_acc: int, zero, step, name:
     return finals
 
 
-def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, prefetch_params: bool = False):
+def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, prefetch_params: bool = False,
+                 symmetric: bool = False):
     """``rows`` rows of a 4-bit weight against int8 activations, biases included:
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
@@ -177,7 +178,9 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
     an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
     per row; the row scales/biases of the step are one vector load each. A row of K % 128 = 64
     ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead (and
-    with ``prefetch_params`` its scales and biases as far ahead, every step)."""
+    with ``prefetch_params`` its scales and biases as far ahead, every step). ``symmetric``: the
+    biases are not read (the argument may be empty, affine.py); each is -8 x its scale, formed
+    from the scale vector already loaded, which is exact: the same bits as reading them."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
     if group_size not in (32, 64, 128):
@@ -206,6 +209,7 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
             fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
             sdata = builder.bitcast(sa.data, (ir.HalfType() if half_scales else F32).as_pointer())
             bdata = builder.bitcast(ba.data, (ir.HalfType() if half_scales else F32).as_pointer())
+            minus8 = ir.Constant(V16F, [-8.0] * 16)
             wrows, srows, brows = [], [], []
             for i in range(rows):
                 r = builder.add(r0v, ir.Constant(I64, i))
@@ -237,14 +241,16 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
                 if prefetch and nb == WIDE:
-                    prefetch_ahead(builder, wrows, base, row_bytes, srows + brows if prefetch_params else [],
+                    params = srows + ([] if symmetric else brows)
+                    prefetch_ahead(builder, wrows, base, row_bytes, params if prefetch_params else [],
                                    prefetch * WIDE, rows, 2, ir.Constant(I64, group_size), n_groups)
                 for i in range(rows):
                     b = load(wrows[i], base)
                     d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
                                       builder.lshr(b, four), xo)
                     ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
-                    wb = lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales)
+                    wb = (builder.fmul(ws, minus8) if symmetric
+                          else lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales))
                     acc = builder.call(fma, [builder.sitofp(d, V16F), builder.fmul(ls, ws), accs[i]])
                     out_accs.append(builder.call(fma, [wb, xs, acc]))
                 return out_accs
@@ -292,13 +298,25 @@ ISA = detect_isa()
 PREFETCH_STEPS = 16
 _ROWS_I8 = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True) for gs in (32, 64, 128)}
 _k32, _k64, _k128 = _ROWS_I8[32], _ROWS_I8[64], _ROWS_I8[128]
+# symmetric weights (GGUF Q4_0: no bias array, affine.py): 10% fewer bytes a row
+_ROWS_I8_SYM = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True, symmetric=True)
+                for gs in (32, 64, 128)}
+_s32, _s64, _s128 = _ROWS_I8_SYM[32], _ROWS_I8_SYM[64], _ROWS_I8_SYM[128]
 
 
 @njit(nogil=True, cache=True, inline="always")
 def q4_rows4_i8(packed, r0, xq, scales, biases, group_size, out):  # pragma: no cover - jitted
     """out[i] = row r0 + i (i < 4) of the 4-bit weight times the quantised input, biases included.
-    xq = (even int8 [K/2], odd int8 [K/2], lane scales [K/8], lane sums [K/8]) (quantise_lanes)."""
-    if group_size == 32:
+    xq = (even int8 [K/2], odd int8 [K/2], lane scales [K/8], lane sums [K/8]) (quantise_lanes).
+    biases empty ([N, 0]): the weights are symmetric, each bias -8 x its scale (affine.py)."""
+    if biases.shape[1] == 0:
+        if group_size == 32:
+            _s32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+        elif group_size == 64:
+            _s64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+        else:
+            _s128(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+    elif group_size == 32:
         _k32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
     elif group_size == 64:
         _k64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)

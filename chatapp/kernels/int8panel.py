@@ -45,6 +45,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from .affine import bias_at
 from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide
 from .llvm import as_f32
 from .simd import I64, V16F, declare, is_c_array, splat
@@ -321,7 +322,7 @@ def pack_panel(packed, scales, biases, r0, n, panel, pscale, pbias):  # pragma: 
                 panel[s, i] = rows32[r, s]
             for g in range(pscale.shape[0]):
                 pscale[g, i] = as_f32(scales[r, g])
-                pbias[g, i] = as_f32(biases[r, g])
+                pbias[g, i] = bias_at(scales, biases, 4, r, g)
         else:
             for s in range(steps):
                 panel[s, i] = 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .affine import bias_at
 from .decode_step import LINE, phase_barrier, phase_claim, phase_done, silu_mul
 from .half import kv_buffer
 from .int8panel import (
@@ -63,7 +64,7 @@ def _dequant_tile(w, bits, group_size, r0, n, tile):  # pragma: no cover - jitte
         hi = tile[i, half_k:]
         for g in range(scales.shape[1]):
             s = as_f32(scales[r, g])
-            m = as_f32(biases[r, g])
+            m = bias_at(scales, biases, bits, r, g)
             base = g * hg
             if bits == 4:
                 for j in range(hg):
