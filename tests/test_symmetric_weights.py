@@ -91,6 +91,9 @@ def test_fused_decode_and_prefill_without_the_bias_arrays_are_the_same_bits(nume
     apply_fast_path(dropped, backend="cpu", numerics=numerics, warm_up=False)
     dec = fused_decoder(dropped)
     assert all(b.shape[1] == 0 for layer in dec.layers for (_, _, b) in layer.weights)
+    held = sum(mod.biases.nbytes for name, mod in dropped.named_modules()
+               if isinstance(mod, nn.QuantizedLinear) and "layers" in name)
+    assert dec.dropped_bias_bytes() == held > 0
     t_dropped, l_dropped, _ = _decode(dropped, prompt, 6)
 
     monkeypatch.setattr(affine, "drop_symmetric_biases", lambda p, s, b, bits: (p, s, b))
@@ -106,3 +109,4 @@ def test_affine_weights_keep_their_biases():
     m = _model()
     apply_fast_path(m, backend="cpu", warm_up=False)
     assert all(b.shape[1] > 0 for layer in fused_decoder(m).layers for (_, _, b) in layer.weights)
+    assert fused_decoder(m).dropped_bias_bytes() == 0

@@ -152,8 +152,9 @@ class FusedDecoder:
         self.layers: list[_Layer] = []
         for layer in inner.layers:
             pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
+            weights = tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws)
             self.layers.append(_Layer(
-                tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws),
+                weights,
                 np.array([pw.bits for pw in pws], np.int64),
                 _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
                 np.float32(layer["input_layernorm"].eps)))
@@ -209,6 +210,11 @@ class FusedDecoder:
         self._kv_size = np.empty(n, np.int64)
         self._kv_stride = np.empty(n, np.int64)
         self._write_kv = np.zeros(n, np.int64)
+
+    def dropped_bias_bytes(self) -> int:
+        """Bytes of bias arrays the model holds that this decoder does not read (symmetric
+        weights, kernels/affine.py): what a decoded token reads less than the modules hold."""
+        return sum(s.nbytes for layer in self.layers for _, s, b in layer.weights if b.shape[1] == 0)
 
     def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True,
                  prefill_block: int = 0, prefill_down: str = "wide") -> None:

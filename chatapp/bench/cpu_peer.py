@@ -77,11 +77,14 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact", 
         return res
 
     # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
+    from chatapp.backend.fused_decode import fused_decoder
     from chatapp.backend.qlinear import is_routed
 
+    decoder = fused_decoder(model)
     res["weight_bytes_per_token"] = sum(
         m["weight"].nbytes + m["scales"].nbytes + m["biases"].nbytes
-        for _, m in model.named_modules() if is_routed(m) and m.route == "kernel")
+        for _, m in model.named_modules() if is_routed(m) and m.route == "kernel"
+    ) - (decoder.dropped_bias_bytes() if decoder is not None else 0)  # symmetric: biases not read
 
     def generate(prompt: list[int], n: int) -> tuple[list[int], float, list[float]]:
         """Greedy tokens, prefill tok/s (prompt / time to the first token), token times."""
