@@ -38,6 +38,13 @@ def test_the_rule_finds_minus_eight_times_the_scale_and_nothing_else(half):
     off = b.copy()
     off[5, 2] *= 1.01
     assert not is_symmetric(as_dtype(s), as_dtype(off), 4)
+    zero = s.copy()
+    zero[0, 0] = 0.0  # an all-zero block: scale 0, bias 0 = -8 x 0
+    assert is_symmetric(as_dtype(zero), as_dtype(-8 * zero), 4)
+    if half:  # -8 x 10000 overflows float16: the stored bias is -inf, not -8 x the scale
+        big = s.copy()
+        big[1, 1] = 10000.0
+        assert not is_symmetric(as_dtype(big), _f16_bits(np.float16(-8) * big.astype(np.float16)), 4)
     packed = np.zeros((8, 64), np.uint8)
     _, _, dropped = drop_symmetric_biases(packed, as_dtype(s), as_dtype(b), 4)
     assert dropped.shape == (8, 0) and dropped.dtype == as_dtype(b).dtype
