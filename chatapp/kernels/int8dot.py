@@ -168,7 +168,7 @@ def wide_steps(builder: ir.IRBuilder, nstep, tail, n_acc: int, zero, step, name:
 
 
 def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, prefetch_params: bool = False,
-                 symmetric: bool = False):
+                 symmetric: bool | None = False):
     """``rows`` rows of a 4-bit weight against int8 activations, biases included:
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
@@ -180,7 +180,8 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
     ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead (and
     with ``prefetch_params`` its scales and biases as far ahead, every step). ``symmetric``: the
     biases are not read (the argument may be empty, affine.py); each is -8 x its scale, formed
-    from the scale vector already loaded, which is exact: the same bits as reading them."""
+    from the scale vector already loaded, which is exact: the same bits as reading them. None:
+    both loops, the symmetric one taken when the bias array is empty ([N, 0])."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
     if group_size not in (32, 64, 128):
@@ -219,7 +220,7 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
             zero = ir.Constant(V16F, [0.0] * 16)
             izero = ir.Constant(V16I, [0] * 16)
 
-            def step(base, accs, n_lanes):
+            def step(base, accs, n_lanes, sym):
                 """accs after the 8 * n_lanes weights at packed byte ``base`` (n_lanes 16 or 8)."""
                 nb = n_lanes * 4
                 if nb == WIDE:
@@ -241,7 +242,7 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
                 if prefetch and nb == WIDE:
-                    params = srows + ([] if symmetric else brows)
+                    params = srows + ([] if sym else brows)
                     prefetch_ahead(builder, wrows, base, row_bytes, params if prefetch_params else [],
                                    prefetch * WIDE, rows, 2, ir.Constant(I64, group_size), n_groups)
                 for i in range(rows):
@@ -249,15 +250,27 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                     d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
                                       builder.lshr(b, four), xo)
                     ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
-                    wb = (builder.fmul(ws, minus8) if symmetric
+                    wb = (builder.fmul(ws, minus8) if sym
                           else lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales))
                     acc = builder.call(fma, [builder.sitofp(d, V16F), builder.fmul(ls, ws), accs[i]])
                     out_accs.append(builder.call(fma, [wb, xs, acc]))
                 return out_accs
 
-            finals = wide_steps(builder, nstep, tail, rows, zero, step, "rowsi8")
-            for i, f in enumerate(finals):
-                builder.store(hsum(builder, f), builder.gep(outa.data, [ir.Constant(I64, i)]))
+            def rows_loop(sym: bool) -> None:
+                finals = wide_steps(builder, nstep, tail, rows, zero, lambda b, a, n: step(b, a, n, sym),
+                                    "rowsi8s" if sym else "rowsi8")
+                for i, f in enumerate(finals):
+                    builder.store(hsum(builder, f), builder.gep(outa.data, [ir.Constant(I64, i)]))
+
+            if symmetric is None:
+                no_biases = builder.icmp_unsigned("==", builder.extract_value(ba.shape, 1), ir.Constant(I64, 0))
+                with builder.if_else(no_biases) as (then, otherwise):
+                    with then:
+                        rows_loop(True)
+                    with otherwise:
+                        rows_loop(False)
+            else:
+                rows_loop(symmetric)
             return context.get_dummy_value()
 
         sig = types.none(w, r0, xqe, xqo, lane_scales, lane_sums, scales, biases, out)
@@ -296,12 +309,11 @@ ISA = detect_isa()
 # x bytes, scales, biases) in flight; one thread, 4096x11008 and 11008x4096 from DRAM, GB/s
 # 10.1 -> 13.9 and 6.1 -> 10.2 (BENCHMARKS.md, "decode on the Xeon")
 PREFETCH_STEPS = 16
-_ROWS_I8 = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True) for gs in (32, 64, 128)}
+# symmetric=None: weights without a bias array (GGUF Q4_0, affine.py) take the loop that reads no
+# biases, 10% fewer bytes a row
+_ROWS_I8 = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True, symmetric=None)
+            for gs in (32, 64, 128)}
 _k32, _k64, _k128 = _ROWS_I8[32], _ROWS_I8[64], _ROWS_I8[128]
-# symmetric weights (GGUF Q4_0: no bias array, affine.py): 10% fewer bytes a row
-_ROWS_I8_SYM = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True, symmetric=True)
-                for gs in (32, 64, 128)}
-_s32, _s64, _s128 = _ROWS_I8_SYM[32], _ROWS_I8_SYM[64], _ROWS_I8_SYM[128]
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -309,14 +321,7 @@ def q4_rows4_i8(packed, r0, xq, scales, biases, group_size, out):  # pragma: no 
     """out[i] = row r0 + i (i < 4) of the 4-bit weight times the quantised input, biases included.
     xq = (even int8 [K/2], odd int8 [K/2], lane scales [K/8], lane sums [K/8]) (quantise_lanes).
     biases empty ([N, 0]): the weights are symmetric, each bias -8 x its scale (affine.py)."""
-    if biases.shape[1] == 0:
-        if group_size == 32:
-            _s32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
-        elif group_size == 64:
-            _s64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
-        else:
-            _s128(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
-    elif group_size == 32:
+    if group_size == 32:
         _k32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
     elif group_size == 64:
         _k64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
