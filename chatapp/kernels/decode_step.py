@@ -60,7 +60,7 @@ ROW_CHUNK = 48
 # other thread claimed), so on a 7B layer 48-row chunks lost ~8% of decode to those cold starts.
 # 8 per thread leaves the barrier at the end of a phase waiting for at most an eighth of a
 # thread's share. Llama-2-7B geometry, 8 layers, 2 threads, Xeon: 17.1 -> 18.5 tok/s, alternating
-# (BENCHMARKS.md, "Decode chunks sized to the projection").
+# (docs/cpu.md, "The fused decode step"; BENCHMARKS.md, "Decode chunks sized to the projection").
 CHUNKS_PER_THREAD = 8
 
 
@@ -70,6 +70,8 @@ def rows_per_chunk(n, chunks):  # pragma: no cover - jitted
     of the 4-row kernels' ROWS, never under ROW_CHUNK."""
     c = (n + chunks - 1) // max(chunks, 1)
     return max(ROW_CHUNK, (c + ROWS - 1) // ROWS * ROWS)
+
+
 # Each phase's claim and done counters sit on their own 64-byte cache lines: a thread spinning
 # at a barrier then reads a line the claiming thread does not write to on every claim.
 LINE = 8  # int64s per cache line
