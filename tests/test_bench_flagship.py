@@ -61,8 +61,13 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
                "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "physical limit:" in text and "greedy tokens equal to mlx-lm's on the first 4" in text
+    assert "greedy tokens equal to mlx-lm's on the first 4" in text
+    # each chatapp peer against its own bytes, over the bandwidth read before and after every run
+    assert "physical limit, chatapp:" in text and "physical limit, chatapp-gguf:" in text
+    assert "physical limit, mlx-lm" not in text
     data = json.loads(out.read_text())
+    runs = sum(len(v) for v in data["meta"]["runs"].values())
+    assert len(data["meta"]["bandwidth_readings"]) == 1 + runs
     rows = {r[0]: r for r in data["rows"]}
     same_mlx, same_unfused = data["columns"].index("greedy = mlx-lm"), data["columns"].index("greedy = chatapp-unfused")
     assert set(rows) == {"chatapp", "chatapp-unfused", "mlx-lm", "chatapp-gguf"}
