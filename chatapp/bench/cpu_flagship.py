@@ -262,11 +262,14 @@ def _limits(args, best: dict, readings: list[float]) -> list[str]:
         per_token = r.get("weight_bytes_per_token")
         if not peer.startswith("chatapp") or not per_token:
             continue
-        share = [r["decode_tok_s"] * per_token / b for b in (max(readings), min(readings))]
+        def reached(bandwidth: float) -> str:  # decode's share of the limit at that bandwidth
+            return f"{r['decode_tok_s'] * per_token / bandwidth:.0%}"
+
+        lo, hi = min(readings), max(readings)
         out.append(f"physical limit, {peer}: {per_token / 1e9:.2f} GB of weights per token / {bw / 1e9:.1f} GB/s "
-                   f"(median of {len(readings)} readings, {min(readings) / 1e9:.1f}-{max(readings) / 1e9:.1f}) "
-                   f"= {bw / per_token:.2f} tokens/s; reached {r['decode_tok_s'] * per_token / bw:.0%} "
-                   f"({share[0]:.0%}-{share[1]:.0%}) at {args.prompt} tokens")
+                   f"(median of {len(readings)} readings, {lo / 1e9:.1f}-{hi / 1e9:.1f}) "
+                   f"= {bw / per_token:.2f} tokens/s; reached {reached(bw)} ({reached(hi)}-{reached(lo)}) "
+                   f"at {args.prompt} tokens")
     return out
 
 

@@ -68,7 +68,8 @@ CHUNKS_PER_THREAD = 8
 def rows_per_chunk(n, chunks):  # pragma: no cover - jitted
     """Rows of each claimed chunk when n rows are cut into about ``chunks`` pieces: a multiple
     of the 4-row kernels' ROWS, never under ROW_CHUNK."""
-    c = (n + chunks - 1) // max(chunks, 1)
+    chunks = max(chunks, 1)
+    c = (n + chunks - 1) // chunks
     return max(ROW_CHUNK, (c + ROWS - 1) // ROWS * ROWS)
 
 
