@@ -209,3 +209,35 @@ def test_any_chunking_of_the_projections_gives_the_same_bits(chunks, monkeypatch
         _, logits, _ = _decode(m, [3, 1, 4, 1, 5], 3)
         outs.append(np.stack(logits))
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_first_layers_is_the_decoder_of_the_model_cut_to_them():
+    """first_layers(n), the warm-up's decoder, computes what the decoder of the same model with
+    only its first n layers computes: same bits, step and prefill, and the full decoder's own
+    state (per-layer arrays, numerics) is left as it was."""
+    shape = LlamaShape(**{**SMOL.__dict__, "num_hidden_layers": 3})
+    full = FusedDecoder(_model(shape=shape), "fast")
+    cut_model = _model(shape=shape)
+    cut_model.model.layers = cut_model.model.layers[:1]
+    cut = FusedDecoder(cut_model, "fast")
+    cut.fast_mask[:] = full.fast_mask[:1]  # (a one-layer model's own mask keeps its last layer exact)
+    cut.prefill_mask[:] = full.prefill_mask[:1]
+    part = full.first_layers(1)
+    assert len(part.layers) == 1 and len(full.layers) == 3 and full._bits.shape[0] == 3
+    outs = []
+    for dec in (part, cut):
+        caches = make_caches(cut_model, CacheSettings(mode="prealloc"))
+        outs.append((dec.prefill(mx.array([5, 7, 9]), caches), dec.step(11, caches)))
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
+
+
+def test_the_install_warm_up_runs_one_layer(monkeypatch):
+    """The kernels load (or compile) on a one-layer decoder: a warm-up costs one layer's weights,
+    not the model's."""
+    seen = []
+    real = FusedDecoder.warm_up
+    monkeypatch.setattr(FusedDecoder, "warm_up", lambda self, *a: (seen.append(len(self.layers)), real(self, *a)))
+    m = _model()
+    apply_fast_path(m, backend="cpu")
+    assert is_fused(m) and seen == [1] and len(m._chatapp_fused.layers) == SMOL.num_hidden_layers

@@ -54,6 +54,17 @@ def test_the_rule_finds_minus_eight_times_the_scale_and_nothing_else(half):
     assert kept.shape == (8, 4)
 
 
+@pytest.mark.parametrize("row", [0, 255, 256, 1000, 1023])
+def test_the_scan_finds_one_asymmetric_group_in_any_chunk(row):
+    """The rule is checked by the pool's threads a chunk of rows at a time (affine.SCAN_ROWS): one
+    group off anywhere, first or last row of a chunk, makes the whole array asymmetric."""
+    s = 0.001 + np.random.default_rng(1).random((1024, 8), dtype=np.float32) * 0.02  # no float16 subnormals
+    b = -8 * s
+    assert is_symmetric(_f16_bits(s), _f16_bits(b), 4)
+    b[row, 7] = b[row, 7] * 0.5
+    assert not is_symmetric(_f16_bits(s), _f16_bits(b), 4)
+
+
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), chunks=st.integers(1, 40),
        half=st.booleans())

@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit
 
 from .llvm import as_f32
+from .pool import chunk_done, chunks, claim, pool
 
 
 def symmetric_offset(bits: int) -> float:
@@ -29,20 +30,39 @@ def is_symmetric(scales: np.ndarray, biases: np.ndarray, bits: int) -> bool:
         return False
     if scales.ndim != 2 or not (scales.flags.c_contiguous and biases.flags.c_contiguous):
         return False
-    return bool(_all_symmetric(scales, biases, np.float32(symmetric_offset(bits))))
+    found = np.ones(1, np.int64)  # cleared by the first chunk that meets an asymmetric group
+    pool().run(_all_symmetric, chunks(scales.shape[0], SCAN_ROWS), SCAN_ROWS, scales, biases,
+               np.float32(symmetric_offset(bits)), found)
+    return bool(found[0])
+
+
+SCAN_ROWS = 256  # rows a thread claims at a time
 
 
 @njit(nogil=True, cache=True)
-def _all_symmetric(scales, biases, offset):  # pragma: no cover - jitted
-    """One pass, stopping at the first bias that is not offset x its scale. Compared in float32,
-    where the product of a float16 or float32 scale by a power of two is exact: a bias that had
-    to round (overflow, the last bits of a subnormal) is not equal. 8 of a 7B model's layers:
-    0.11 s (numpy, converting and comparing whole arrays: 0.38 s)."""
-    for r in range(scales.shape[0]):
-        for g in range(scales.shape[1]):
-            if as_f32(biases[r, g]) != offset * as_f32(scales[r, g]):
-                return False
-    return True
+def _all_symmetric(ctl, chunk, scales, biases, offset, found):  # pragma: no cover - jitted
+    """Clear ``found[0]`` when a bias is not offset x its scale; the pool's threads claim chunks
+    of rows, and skip the rest once one has cleared it. Compared in float32, where the product
+    of a float16 or float32 scale by a power of two is exact: a bias that had to round
+    (overflow, the last bits of a subnormal) is not equal. A row's groups are compared without
+    a branch, so the loop vectorises (float16 converted 16 lanes at a time): the scales and
+    biases of a 7B model's 32 layers, 0.8 GB, in 0.33 s as one thread's loop that stopped at the
+    first mismatch, 0.06 s so."""
+    n = scales.shape[0]
+    n_chunks = (n + chunk - 1) // chunk
+    while True:
+        c = claim(ctl, n_chunks)
+        if c < 0:
+            break
+        if found[0]:
+            for r in range(c * chunk, min(n, (c + 1) * chunk)):
+                same = True
+                for g in range(scales.shape[1]):
+                    same &= as_f32(biases[r, g]) == offset * as_f32(scales[r, g])
+                if not same:
+                    found[0] = 0
+                    break
+        chunk_done(ctl)
 
 
 def drop_symmetric_biases(packed: np.ndarray, scales: np.ndarray, biases: np.ndarray,

@@ -13,9 +13,13 @@ weights. What they write is bit for bit what ``mx.load`` makes of the same file 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
+from .llvm import I8
 from .pool import chunk_done, chunks, claim, pool
+from .simd import is_c_array, vload
 
 Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES = 18, 20, 34  # bytes per block of 32
 
@@ -43,21 +47,40 @@ def times_minus_pow2(h, k):  # pragma: no cover - jitted
     return sign | ((e + k) << 10) | m
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _pack_pairs(x):  # pragma: no cover - jitted
-    """Eight 4-bit values, one in the low nibble of each byte of ``x`` (uint64), as the uint32
-    that holds them two to a byte in order (byte j: values 2j, 2j + 1)."""
-    x = (x | (x >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
-    x = (x | (x >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
-    return (x | (x >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+_V16B = ir.VectorType(I8, 16)
+_I32 = ir.IntType(32)
+
+
+@intrinsic
+def q4_quants_to_mlx(typingctx, src, s_off, dst, d_off):
+    """The 16 quant bytes of a GGUF Q4 block at byte ``s_off`` of ``src`` (uint8), written at byte
+    ``d_off`` of ``dst`` (uint8) as MLX holds them: GGUF's byte j holds elements j and j + 16 (low,
+    high nibble), MLX's byte j elements 2j and 2j + 1. One 16-byte load, the nibbles split into
+    the block's 32 elements in order, re-paired by two shuffles: ~6 vector instructions a block
+    where the uint64 bit-twiddling before took ~60 scalar ones (one thread: 1.45 -> 3.2 GB/s of
+    blocks, near what the copy itself moves)."""
+    if not (is_c_array(src, (types.uint8,), 1) and is_c_array(dst, (types.uint8,), 1)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        sp = context.make_array(signature.args[0])(context, builder, args[0]).data
+        dp = context.make_array(signature.args[2])(context, builder, args[2]).data
+        v = vload(builder, sp, args[1], _V16B)
+        lo = builder.and_(v, ir.Constant(_V16B, [15] * 16))  # elements 0-15
+        hi = builder.lshr(v, ir.Constant(_V16B, [4] * 16))  # elements 16-31
+        even = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 16), list(range(0, 32, 2))))
+        odd = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 16), list(range(1, 32, 2))))
+        out = builder.or_(even, builder.shl(odd, ir.Constant(_V16B, [4] * 16)))
+        builder.store(out, builder.bitcast(builder.gep(dp, [args[3]]), _V16B.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, s_off, dst, d_off), codegen
 
 
 @njit(nogil=True, cache=True)
-def _q4_blocks(ctl, chunk, src16, block_bytes, dst_rows, w, scales, biases):  # pragma: no cover - jitted
+def _q4_blocks(ctl, chunk, src, block_bytes, dst_rows, w, scales, biases):  # pragma: no cover - jitted
     """q4_blocks on the pool's threads, ``chunk`` rows a claim."""
-    per_block = block_bytes // 2
-    quants = per_block - 8
-    nib = np.uint64(0x0F0F0F0F0F0F0F0F)
+    src16 = src.view(np.uint16)
     n = dst_rows.shape[0]
     n_chunks = (n + chunk - 1) // chunk
     while True:
@@ -65,30 +88,21 @@ def _q4_blocks(ctl, chunk, src16, block_bytes, dst_rows, w, scales, biases):  # 
         if c < 0:
             break
         for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            _q4_row(src16, i, dst_rows[i], per_block, quants, nib, w, scales, biases)
+            _q4_row(src, src16, i, dst_rows[i], block_bytes, w, scales, biases)
         chunk_done(ctl)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _q4_row(src16, i, r, per_block, quants, nib, w, scales, biases):  # pragma: no cover - jitted
-    """Source row i into row r. A block's 16 quant bytes are read as two uint64: their low
-    nibbles are the block's elements 0-7 and 8-15, their high nibbles 16-23 and 24-31."""
+def _q4_row(src, src16, i, r, block_bytes, w, scales, biases):  # pragma: no cover - jitted
+    """Source row i into row r of w (uint8 [rows, blocks * 16]), scales and biases."""
     blocks = scales.shape[1]
+    row_bytes = blocks * 16
     for b in range(blocks):
-        o = (i * blocks + b) * per_block
-        h = np.int64(src16[o])
+        o = (i * blocks + b) * block_bytes
+        h = np.int64(src16[o // 2])
         scales[r, b] = h
-        biases[r, b] = src16[o + 1] if quants == 2 else times_minus_pow2(h, 3)
-        q = o + quants
-        x0 = (np.uint64(src16[q]) | (np.uint64(src16[q + 1]) << np.uint64(16))
-              | (np.uint64(src16[q + 2]) << np.uint64(32)) | (np.uint64(src16[q + 3]) << np.uint64(48)))
-        x1 = (np.uint64(src16[q + 4]) | (np.uint64(src16[q + 5]) << np.uint64(16))
-              | (np.uint64(src16[q + 6]) << np.uint64(32)) | (np.uint64(src16[q + 7]) << np.uint64(48)))
-        d = b * 4
-        w[r, d] = _pack_pairs(x0 & nib)
-        w[r, d + 1] = _pack_pairs(x1 & nib)
-        w[r, d + 2] = _pack_pairs((x0 >> np.uint64(4)) & nib)
-        w[r, d + 3] = _pack_pairs((x1 >> np.uint64(4)) & nib)
+        biases[r, b] = src16[o // 2 + 1] if block_bytes == Q4_1_BYTES else times_minus_pow2(h, 3)
+        q4_quants_to_mlx(src, o + block_bytes - 16, w, r * row_bytes + b * 16)
 
 
 @njit(nogil=True, cache=True)
@@ -122,13 +136,13 @@ def _q8_row(src, i, r, blocks, w, scales, biases):  # pragma: no cover - jitted
 ROWS_PER_CHUNK = 64  # rows a thread claims at a time
 
 
-def q4_blocks(src16, block_bytes, dst_rows, w, scales, biases) -> None:
-    """Rows of Q4_0 (``block_bytes`` 18) or Q4_1 (20) blocks in ``src16`` (the rows' bytes as
-    uint16) into ``w`` (uint32 [rows, blocks * 4]), ``scales`` and ``biases`` (uint16 [rows,
-    blocks]: float16 bits; Q4_1's minima, Q4_0's -8 x scale); source row i goes to row
-    ``dst_rows[i]``. On the kernel threads."""
-    pool().run(_q4_blocks, chunks(dst_rows.shape[0], ROWS_PER_CHUNK), ROWS_PER_CHUNK, src16, block_bytes,
-               dst_rows, w, scales, biases)
+def q4_blocks(src, block_bytes, dst_rows, w, scales, biases) -> None:
+    """Rows of Q4_0 (``block_bytes`` 18) or Q4_1 (20) blocks in ``src`` (the rows' bytes, uint8,
+    starting at an even address) into ``w`` (the packed words' bytes, uint8 [rows, blocks * 16]),
+    ``scales`` and ``biases`` (uint16 [rows, blocks]: float16 bits; Q4_1's minima, Q4_0's -8 x
+    scale); source row i goes to row ``dst_rows[i]``. On the kernel threads."""
+    pool().run(_q4_blocks, chunks(dst_rows.shape[0], ROWS_PER_CHUNK), ROWS_PER_CHUNK, src, block_bytes,
+               dst_rows, w.reshape(-1), scales, biases)
 
 
 def q8_blocks(src, dst_rows, w, scales, biases) -> None:

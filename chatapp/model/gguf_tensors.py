@@ -2,10 +2,16 @@
 
 ``mx.load`` maps the whole file and converts every tensor before it returns: for a moment the
 process holds the file's pages and all the converted arrays (2.2x a 7B Q4_0 file at peak), and
-the q/k rows are then un-permuted into copies. Here each tensor is read with ``readinto`` in
-chunks of rows (16 MiB) and converted by chatapp.kernels.gguf_blocks straight into its MLX
-arrays, rows un-permuted on the way: the peak is the model's arrays plus one chunk. The arrays
-are bit for bit what ``mx.load`` gives (same names, shapes, dtypes; tests/test_gguf.py).
+the q/k rows are then un-permuted into copies. Here each tensor is read in chunks of rows
+(16 MiB), each chunk mapped from the file on its own (the page cache's pages themselves: no copy
+into a read buffer) and converted by chatapp.kernels.gguf_blocks straight into its MLX arrays,
+rows un-permuted on the way: the peak is the model's arrays plus one chunk. The arrays are bit for
+bit what ``mx.load`` gives (same names, shapes, dtypes; tests/test_gguf.py).
+
+Every array is made before the first is filled, in one evaluation spread over as many of MLX's
+CPU streams as there are kernel threads: making an array writes it (zeros), and that first
+write of fresh memory is what costs, one page fault per 4 KiB. On one stream it was the larger
+part of a 7B load on this 2-core VM (4 GiB: 4.1-10.7 s; over two streams 0.9-1.0 s).
 
 Needs numba (chatapp's kernels); :func:`can_read` says whether it is there (else the caller
 uses ``mx.load``).
@@ -15,15 +21,19 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import BinaryIO
+import mmap
+import os
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
 from .gguf_file import QUANT_BITS, GGUFError, GGUFHeader, TensorInfo
 
-CHUNK_BYTES = 1 << 24  # read buffer per tensor: rows are converted this many file bytes at a time
+CHUNK_BYTES = 1 << 24  # file bytes mapped and converted at a time (a tensor's rows, whole rows)
 _FLOATS = {"F32": (mx.float32, np.uint32), "F16": (mx.float16, np.uint16), "BF16": (mx.bfloat16, np.uint16)}
+# the pages of a mapped chunk are mapped in one call (Linux), not faulted in one at a time
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 def can_read() -> bool:
@@ -31,79 +41,104 @@ def can_read() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _empty(*specs: tuple[tuple[int, ...], mx.Dtype, type]) -> list[tuple[mx.array, np.ndarray]]:
-    """New evaluated MLX arrays of (shape, dtype) and a writable numpy view of each one's buffer
-    (flat, as the view's dtype): the kernels write the tensor into them."""
-    arrays = [mx.zeros(shape, dtype) for shape, dtype, _ in specs]
-    mx.eval(arrays)
-    return [(a, np.frombuffer(memoryview(a), dtype=view)) for a, (_, _, view) in zip(arrays, specs)]
+@dataclass
+class _Target:
+    """One tensor: where its rows are in the file and the arrays they become."""
+
+    t: TensorInfo
+    rows: int  # along the first axis when the rows are reordered, else every leading axis
+    row_bytes: int
+    # array name -> (shape, MLX dtype, the numpy dtype the kernels write it as)
+    specs: dict[str, tuple[tuple[int, ...], mx.Dtype, type]]
+    views: list[np.ndarray] = field(default_factory=list)  # writable, [rows, -1] each
 
 
-def _read_rows(f: BinaryIO, where: str, t: TensorInfo, offset: int, buf: np.ndarray) -> np.ndarray:
-    f.seek(offset)
-    got = f.readinto(buf)
-    if got != buf.nbytes:
-        raise GGUFError(f"{where} is truncated (tensor {t.name!r} ends early)")
-    return buf
-
-
-def read_tensor(f: BinaryIO, header: GGUFHeader, t: TensorInfo, dst_of_src: np.ndarray | None = None,
-                buf: np.ndarray | None = None) -> dict[str, mx.array]:
-    """The arrays ``mx.load`` makes of tensor ``t`` (a quantised one: name.weight, name.scales,
-    name.biases), with source row i written to row ``dst_of_src[i]`` when given (rows along the
-    first axis). ``buf``: a uint8 read buffer to reuse (a new one when it is too small)."""
-    from chatapp.kernels.gguf_blocks import q4_blocks, q8_blocks
-
-    where = header.path.name
+def _target(header: GGUFHeader, t: TensorInfo, reordered: bool) -> _Target:
     shape = tuple(int(d) for d in reversed(t.shape))  # ggml lists the innermost axis first
     kind = t.type_name
-    n = math.prod(shape)
-    rows = shape[0] if dst_of_src is not None else math.prod(shape[:-1])
-    row_bytes = t.nbytes() // rows
-    base = header.data_offset + t.offset
+    rows = shape[0] if reordered else math.prod(shape[:-1])
     bits = QUANT_BITS.get(kind)
     if bits:
-        cols = n // rows
         lead = shape[:-1]
-        groups = (*lead, shape[-1] // 32)
-        words = (*lead, shape[-1] * bits // 32)  # the 4-bit kernel writes whole words, the 8-bit one bytes
-        (w, wv), (s, sv), (b, bv) = _empty((words, mx.uint32, np.uint32 if bits == 4 else np.uint8),
-                                           (groups, mx.float16, np.uint16), (groups, mx.float16, np.uint16))
-        wv, sv, bv = wv.reshape(rows, -1), sv.reshape(rows, cols // 32), bv.reshape(rows, cols // 32)
-        out = {t.name: w, f"{t.name.removesuffix('.weight')}.scales": s,
-               f"{t.name.removesuffix('.weight')}.biases": b}
+        stem = t.name.removesuffix(".weight")
+        specs = {t.name: ((*lead, shape[-1] * bits // 32), mx.uint32, np.uint8),  # the words' bytes
+                 f"{stem}.scales": ((*lead, shape[-1] // 32), mx.float16, np.uint16),
+                 f"{stem}.biases": ((*lead, shape[-1] // 32), mx.float16, np.uint16)}
     elif kind in _FLOATS:
         dtype, view = _FLOATS[kind]
-        ((a, av),) = _empty((shape, dtype, view))
-        av = av.reshape(rows, n // rows)
-        out = {t.name: a}
+        specs = {t.name: (shape, dtype, view)}
     else:
-        raise GGUFError(f"{where}: tensor {t.name!r} is {kind}, which chatapp does not read")
-    per_chunk = rows if dst_of_src is not None else max(1, CHUNK_BYTES // row_bytes)
-    if buf is None or buf.nbytes < min(per_chunk, rows) * row_bytes:
-        buf = np.empty(min(per_chunk, rows) * row_bytes, np.uint8)
-    for r0 in range(0, rows, per_chunk):
-        k = min(per_chunk, rows - r0)
-        src = _read_rows(f, where, t, base + r0 * row_bytes, buf[: k * row_bytes])
-        dst = dst_of_src[r0 : r0 + k] if dst_of_src is not None else np.arange(r0, r0 + k, dtype=np.int64)
-        if kind == "Q8_0":
-            q8_blocks(src, dst, wv, sv, bv)
-        elif bits:
-            q4_blocks(src.view(np.uint16), 18 if kind == "Q4_0" else 20, dst, wv, sv, bv)
-        else:
-            av[dst] = src.view(av.dtype).reshape(k, -1)
+        raise GGUFError(f"{header.path.name}: tensor {t.name!r} is {kind}, which chatapp does not read")
+    return _Target(t, rows, t.nbytes() // rows, specs)
+
+
+def _allocate(targets: list[_Target], streams: int) -> dict[str, mx.array]:
+    """Every target's arrays, evaluated together over ``streams`` CPU streams (each array to the
+    stream with the fewest bytes so far), and their views."""
+    pool = [mx.new_stream(mx.cpu) for _ in range(max(1, streams))]
+    load = [0] * len(pool)
+    out: dict[str, mx.array] = {}
+    for tg in targets:
+        for name, (shape, dtype, _) in tg.specs.items():
+            s = load.index(min(load))
+            out[name] = mx.zeros(shape, dtype, stream=pool[s])
+            load[s] += math.prod(shape) * dtype.size
+    mx.eval(list(out.values()))
+    for tg in targets:
+        tg.views = [np.frombuffer(memoryview(out[name]), dtype=view).reshape(tg.rows, -1)
+                    for name, (_, _, view) in tg.specs.items()]
     return out
+
+
+def _convert(kind: str, src: np.ndarray, dst: np.ndarray, views: list[np.ndarray]) -> None:
+    from chatapp.kernels.gguf_blocks import Q4_0_BYTES, Q4_1_BYTES, q4_blocks, q8_blocks
+
+    if kind == "Q8_0":
+        q8_blocks(src, dst, *views)
+    elif kind in ("Q4_0", "Q4_1"):
+        q4_blocks(src, Q4_0_BYTES if kind == "Q4_0" else Q4_1_BYTES, dst, *views)
+    else:
+        (av,) = views
+        av[dst] = src.view(av.dtype).reshape(dst.shape[0], -1)
+
+
+def _read(fd: int, header: GGUFHeader, tg: _Target, dst_of_src: np.ndarray | None) -> None:
+    """Map the target's rows a chunk at a time and convert them into its views."""
+    base = header.data_offset + tg.t.offset
+    per_chunk = tg.rows if dst_of_src is not None else max(1, CHUNK_BYTES // tg.row_bytes)
+    for r0 in range(0, tg.rows, per_chunk):
+        k = min(per_chunk, tg.rows - r0)
+        start = base + r0 * tg.row_bytes
+        skew = start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        m = mmap.mmap(fd, skew + k * tg.row_bytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                      offset=start - skew)
+        src = np.frombuffer(m, np.uint8, k * tg.row_bytes, skew)
+        dst = dst_of_src[r0:r0 + k] if dst_of_src is not None else np.arange(r0, r0 + k, dtype=np.int64)
+        _convert(tg.t.type_name, src, dst, tg.views)
+        # unmapped when the last view goes, not closed here: a pool helper's frame may still hold
+        # the chunk for a moment after its kernel returns (close() would then refuse)
+        del src, m
 
 
 def read_tensors(header: GGUFHeader, row_orders: dict[str, np.ndarray]) -> dict[str, mx.array]:
     """Every tensor of the file as ``mx.load`` names them; ``row_orders``: tensor name -> the row
     each source row goes to (the un-permuted q/k rows)."""
-    out: dict[str, mx.array] = {}
-    buf = np.empty(CHUNK_BYTES, np.uint8)  # one buffer for every chunk (its pages fault in once)
+    from chatapp.kernels.pool import pool
+
+    where = header.path.name
     try:
         with open(header.path, "rb", buffering=0) as f:
-            for t in header.tensors:
-                out.update(read_tensor(f, header, t, row_orders.get(t.name), buf))
+            # the header checked every tensor against the file's size; checked again on this
+            # descriptor, since a mapping past the end would fault (SIGBUS) instead of raising
+            size = os.fstat(f.fileno()).st_size
+            targets = [_target(header, t, t.name in row_orders) for t in header.tensors]
+            for tg in targets:
+                if header.data_offset + tg.t.offset + tg.rows * tg.row_bytes > size:
+                    raise GGUFError(f"{where} is truncated (tensor {tg.t.name!r} ends early)")
+            out = _allocate(targets, pool().threads)
+            for tg in targets:
+                _read(f.fileno(), header, tg, row_orders.get(tg.t.name))
+                tg.views = []
     except OSError as err:
-        raise GGUFError(f"cannot read the tensors of {header.path.name}: {err.strerror or err}") from err
+        raise GGUFError(f"cannot read the tensors of {where}: {err.strerror or err}") from err
     return out
