@@ -11,7 +11,7 @@ bit what ``mx.load`` gives (same names, shapes, dtypes; tests/test_gguf.py).
 Every array is made before the first is filled, in one evaluation spread over as many of MLX's
 CPU streams as there are kernel threads: making an array writes it (zeros), and that first
 write of fresh memory is what costs, one page fault per 4 KiB. On one stream it was the larger
-part of a 7B load on this 2-core VM (4 GiB: 4.1-10.7 s; over two streams 0.9-1.0 s).
+part of a 7B load on this 2-core VM (4 GiB: 4.1-10.7 s; over two streams 0.9-3.8 s, mostly ~1).
 
 Needs numba (chatapp's kernels); :func:`can_read` says whether it is there (else the caller
 uses ``mx.load``).
@@ -72,10 +72,19 @@ def _target(header: GGUFHeader, t: TensorInfo, reordered: bool) -> _Target:
     return _Target(t, rows, t.nbytes() // rows, specs)
 
 
+_STREAMS: list[mx.Stream] = []  # made once: MLX keeps a thread per stream for the process's life
+
+
+def _cpu_streams(n: int) -> list[mx.Stream]:
+    while len(_STREAMS) < n:
+        _STREAMS.append(mx.new_stream(mx.cpu))
+    return _STREAMS[:n]
+
+
 def _allocate(targets: list[_Target], streams: int) -> dict[str, mx.array]:
     """Every target's arrays, evaluated together over ``streams`` CPU streams (each array to the
     stream with the fewest bytes so far), and their views."""
-    pool = [mx.new_stream(mx.cpu) for _ in range(max(1, streams))]
+    pool = _cpu_streams(max(1, streams))
     load = [0] * len(pool)
     out: dict[str, mx.array] = {}
     for tg in targets:
