@@ -151,3 +151,24 @@ def test_panel_rejects_a_unit_that_does_not_divide_the_group():
     with pytest.raises(ValueError):
         make_panel_tile(ISA, 32, 32, planes=3)
     assert panel_unit(8, 64) == 8 and panel_unit(128, 32) == 32
+
+
+@pytest.mark.parametrize("n, K", [(16, 4096), (5, 160), (16, 352), (1, 128)])
+def test_pack_panel_is_the_transpose_of_the_rows_dwords(n, K):
+    """panel[s, i] = dword s of row r0 + i, with each group's scale and bias, rows past n zero,
+    whatever the panel steps (K / 8, also not a multiple of PACK_STEPS) and rows."""
+    rng = np.random.default_rng(n + K)
+    N, gs = 40, 32
+    packed = rng.integers(0, 256, (N, K // 2), dtype=np.uint8)
+    scales = rng.random((N, K // gs), dtype=np.float32)
+    biases = rng.random((N, K // gs), dtype=np.float32)
+    panel = np.full((K // 8, PANEL_ROWS), 7, np.uint32)
+    ps, pb = np.full((K // gs, PANEL_ROWS), 7, np.float32), np.full((K // gs, PANEL_ROWS), 7, np.float32)
+    r0 = 21
+    pack_panel(packed, scales, biases, r0, n, panel, ps, pb)
+    want = np.zeros((K // 8, PANEL_ROWS), np.uint32)
+    want[:, :n] = packed[r0:r0 + n].view(np.uint32).T
+    np.testing.assert_array_equal(panel, want)
+    np.testing.assert_array_equal(ps[:, :n], scales[r0:r0 + n].T)
+    np.testing.assert_array_equal(pb[:, :n], biases[r0:r0 + n].T)
+    assert not ps[:, n:].any() and not pb[:, n:].any()
