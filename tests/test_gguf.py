@@ -164,6 +164,31 @@ def test_tensors_read_one_at_a_time_are_mx_loads_bit_for_bit(reference, matrices
         np.testing.assert_array_equal(_bits(b), _bits(a), err_msg=name)
 
 
+def test_files_that_cannot_be_mapped_are_read_instead(reference, tmp_path, monkeypatch):
+    """Where the file system refuses mmap (some network and FUSE mounts), the chunks are read with
+    pread: the same arrays, bit for bit."""
+    pytest.importorskip("numba")
+    import mmap
+
+    import chatapp.model.gguf_tensors as gt
+    from chatapp.model.gguf import config_from_header, open_gguf, row_orders
+
+    path = tmp_path / "m.gguf"
+    write_model_gguf(path, reference, matrices=Q4_0, embedding=Q8_0)
+    header = open_gguf(path)
+    orders = row_orders(header, config_from_header(header))
+    mapped = gt.read_tensors(header, orders)
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    read = gt.read_tensors(header, orders)
+    assert sorted(read) == sorted(mapped)
+    for name, a in mapped.items():
+        np.testing.assert_array_equal(_bits(read[name]), _bits(a), err_msg=name)
+
+
 def test_the_loaders_two_routes_give_the_same_model(reference, tmp_path, monkeypatch):
     """load_gguf with numba (one tensor at a time) and without it (mx.load) load the same parameters."""
     pytest.importorskip("numba")

@@ -111,22 +111,31 @@ def _convert(kind: str, src: np.ndarray, dst: np.ndarray, views: list[np.ndarray
         av[dst] = src.view(av.dtype).reshape(dst.shape[0], -1)
 
 
+def _chunk(fd: int, start: int, length: int) -> np.ndarray:
+    """File bytes [start, start + length) as a read-only uint8 array: the page cache's pages
+    mapped, or read into memory where the file cannot be mapped (some network and FUSE mounts).
+    The mapping goes with the array's last reference, not closed here: a pool helper's frame may
+    still hold the chunk for a moment after its kernel returns (close() would then refuse)."""
+    skew = start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+    try:
+        m = mmap.mmap(fd, skew + length, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
+                      offset=start - skew)
+    except OSError:
+        return np.frombuffer(os.pread(fd, length, start), np.uint8)
+    return np.frombuffer(m, np.uint8, length, skew)
+
+
 def _read(fd: int, header: GGUFHeader, tg: _Target, dst_of_src: np.ndarray | None) -> None:
-    """Map the target's rows a chunk at a time and convert them into its views."""
+    """The target's rows a chunk at a time, converted into its views."""
     base = header.data_offset + tg.t.offset
     per_chunk = tg.rows if dst_of_src is not None else max(1, CHUNK_BYTES // tg.row_bytes)
     for r0 in range(0, tg.rows, per_chunk):
         k = min(per_chunk, tg.rows - r0)
-        start = base + r0 * tg.row_bytes
-        skew = start % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
-        m = mmap.mmap(fd, skew + k * tg.row_bytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ,
-                      offset=start - skew)
-        src = np.frombuffer(m, np.uint8, k * tg.row_bytes, skew)
+        src = _chunk(fd, base + r0 * tg.row_bytes, k * tg.row_bytes)
+        if src.nbytes != k * tg.row_bytes:  # (read: the file shrank since its size was checked)
+            raise GGUFError(f"{header.path.name} is truncated (tensor {tg.t.name!r} ends early)")
         dst = dst_of_src[r0:r0 + k] if dst_of_src is not None else np.arange(r0, r0 + k, dtype=np.int64)
         _convert(tg.t.type_name, src, dst, tg.views)
-        # unmapped when the last view goes, not closed here: a pool helper's frame may still hold
-        # the chunk for a moment after its kernel returns (close() would then refuse)
-        del src, m
 
 
 def read_tensors(header: GGUFHeader, row_orders: dict[str, np.ndarray]) -> dict[str, mx.array]:
