@@ -23,7 +23,7 @@ import importlib.util
 import math
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +50,14 @@ class _Target:
     row_bytes: int
     # array name -> (shape, MLX dtype, the numpy dtype the kernels write it as)
     specs: dict[str, tuple[tuple[int, ...], mx.Dtype, type]]
-    views: list[np.ndarray] = field(default_factory=list)  # writable, [rows, -1] each
+
+    def views(self, arrays: dict[str, mx.array]) -> list[np.ndarray]:
+        """Writable numpy views [rows, -1] of this target's evaluated arrays, as the kernels write them."""
+        return [np.frombuffer(memoryview(arrays[name]), dtype=view).reshape(self.rows, -1)
+                for name, (_, _, view) in self.specs.items()]
+
+    def truncated(self, where: str) -> GGUFError:
+        return GGUFError(f"{where} is truncated (tensor {self.t.name!r} ends early)")
 
 
 def _target(header: GGUFHeader, t: TensorInfo, reordered: bool) -> _Target:
@@ -83,7 +90,7 @@ def _cpu_streams(n: int) -> list[mx.Stream]:
 
 def _allocate(targets: list[_Target], streams: int) -> dict[str, mx.array]:
     """Every target's arrays, evaluated together over ``streams`` CPU streams (each array to the
-    stream with the fewest bytes so far), and their views."""
+    stream with the fewest bytes so far)."""
     pool = _cpu_streams(max(1, streams))
     load = [0] * len(pool)
     out: dict[str, mx.array] = {}
@@ -93,9 +100,6 @@ def _allocate(targets: list[_Target], streams: int) -> dict[str, mx.array]:
             out[name] = mx.zeros(shape, dtype, stream=pool[s])
             load[s] += math.prod(shape) * dtype.size
     mx.eval(list(out.values()))
-    for tg in targets:
-        tg.views = [np.frombuffer(memoryview(out[name]), dtype=view).reshape(tg.rows, -1)
-                    for name, (_, _, view) in tg.specs.items()]
     return out
 
 
@@ -125,17 +129,19 @@ def _chunk(fd: int, start: int, length: int) -> np.ndarray:
     return np.frombuffer(m, np.uint8, length, skew)
 
 
-def _read(fd: int, header: GGUFHeader, tg: _Target, dst_of_src: np.ndarray | None) -> None:
-    """The target's rows a chunk at a time, converted into its views."""
+def _read(fd: int, header: GGUFHeader, tg: _Target, arrays: dict[str, mx.array],
+          dst_of_src: np.ndarray | None) -> None:
+    """The target's rows a chunk at a time, converted into its arrays."""
+    views = tg.views(arrays)
     base = header.data_offset + tg.t.offset
     per_chunk = tg.rows if dst_of_src is not None else max(1, CHUNK_BYTES // tg.row_bytes)
     for r0 in range(0, tg.rows, per_chunk):
         k = min(per_chunk, tg.rows - r0)
         src = _chunk(fd, base + r0 * tg.row_bytes, k * tg.row_bytes)
         if src.nbytes != k * tg.row_bytes:  # (read: the file shrank since its size was checked)
-            raise GGUFError(f"{header.path.name} is truncated (tensor {tg.t.name!r} ends early)")
+            raise tg.truncated(header.path.name)
         dst = dst_of_src[r0:r0 + k] if dst_of_src is not None else np.arange(r0, r0 + k, dtype=np.int64)
-        _convert(tg.t.type_name, src, dst, tg.views)
+        _convert(tg.t.type_name, src, dst, views)
 
 
 def read_tensors(header: GGUFHeader, row_orders: dict[str, np.ndarray]) -> dict[str, mx.array]:
@@ -152,11 +158,10 @@ def read_tensors(header: GGUFHeader, row_orders: dict[str, np.ndarray]) -> dict[
             targets = [_target(header, t, t.name in row_orders) for t in header.tensors]
             for tg in targets:
                 if header.data_offset + tg.t.offset + tg.rows * tg.row_bytes > size:
-                    raise GGUFError(f"{where} is truncated (tensor {tg.t.name!r} ends early)")
+                    raise tg.truncated(where)
             out = _allocate(targets, pool().threads)
             for tg in targets:
-                _read(f.fileno(), header, tg, row_orders.get(tg.t.name))
-                tg.views = []
+                _read(f.fileno(), header, tg, out, row_orders.get(tg.t.name))
     except OSError as err:
         raise GGUFError(f"cannot read the tensors of {where}: {err.strerror or err}") from err
     return out
