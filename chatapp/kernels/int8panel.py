@@ -47,7 +47,8 @@ from numba.extending import intrinsic
 
 from .affine import bias_at
 from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide
-from .llvm import as_f32
+from .llvm import as_f32, f32_to_i8, rint_f32
+from .panel_avx2 import make_avx2_panel_tile
 from .simd import I64, V16F, declare, is_c_array, splat
 
 PANEL_ROWS = 16  # rows per panel: one int32 lane each
@@ -82,6 +83,8 @@ def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TO
         raise ValueError(f"unit {unit} must be a multiple of 8 dividing the group {group_size}")
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 or 2, not {planes}")
+    if isa == "avx2":  # no int8 dot instruction and 16 registers: its own tile (panel_avx2.py)
+        return make_avx2_panel_tile(unit, group_size, tokens, planes)
     ksteps = unit // 8  # dword steps (8 weights each) per unit
     units_per_group = group_size // unit
 
@@ -349,12 +352,21 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
     the block's scale ts and the unit's float sum tsum [K/unit, Tp]. Two planes (xe.shape[2] 8):
     16-bit activations, x / scale ~ v + r / 256 with v the int8 value above at [s, t, c] and r
     the int8 remainder at [s, t, 4 + c] (nearest: |error| <= scale / 512), ts the scale / 256.
-    Tokens T .. Tp - 1 untouched."""
+    Tokens T .. Tp - 1 untouched.
+
+    Each token's values are rounded into contiguous rows first (llvm.rint, converted straight to
+    int8), then moved into the step-major layout a dword (4 elements) at a time, not element by
+    element. On SmolLM2 this function was ~14% of a fast prefill on a Zen 2 (perf); one thread,
+    576 x 128 tokens: 0.21 -> 0.18 ms, 11008 x 256 on two planes: 13.4 -> 11.1 ms. What is left
+    is the short per-block loops (16 elements a half)."""
     T, K = xp.shape
     half = K // 2
     hb = block // 2
     hu = unit // 2
     two = xe.shape[2] == 8
+    rows = np.empty((4, half), np.int8)  # even values, odd values, even remainders, odd remainders
+    words = rows.view(np.int32)  # [4, K / 8]: dword s of each holds elements 4s .. 4s + 3
+    e32, o32 = xe.view(np.int32), xo.view(np.int32)  # [K/8, Tp, planes]
     for t in range(T):
         for b in range(K // block):
             m = np.float32(0.0)
@@ -362,26 +374,27 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
                 m = max(m, abs(xp[t, j]), abs(xp[t, half + j]))
             s = m / np.float32(127.0)
             inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
-            for j in range(b * hb, (b + 1) * hb):
-                ve, vo = xp[t, j] * inv, xp[t, half + j] * inv
-                qe, qo = np.int32(np.rint(ve)), np.int32(np.rint(vo))
-                if two:
-                    le = np.int32(np.rint((ve - np.float32(qe)) * np.float32(256.0)))
-                    lo = np.int32(np.rint((vo - np.float32(qo)) * np.float32(256.0)))
-                    # a remainder that rounds to 128 (|v - q| ~ 1/2) carries into v, as -128
-                    # (then q <= 126: v <= 127)
-                    if le > 127:
-                        qe += 1
-                        le -= 256
-                    if lo > 127:
-                        qo += 1
-                        lo -= 256
-                    xe[j // 4, t, 4 + j % 4] = np.int8(le)
-                    xo[j // 4, t, 4 + j % 4] = np.int8(lo)
-                xe[j // 4, t, j % 4] = np.int8(qe)
-                xo[j // 4, t, j % 4] = np.int8(qo)
             for u in range(b * block // unit, (b + 1) * block // unit):
                 ts[u, t] = s / np.float32(256.0) if two else s
+            for h in range(2):
+                for j in range(b * hb, (b + 1) * hb):
+                    v = xp[t, h * half + j] * inv
+                    q = rint_f32(v)
+                    if two:
+                        r = rint_f32((v - q) * np.float32(256.0))
+                        # a remainder that rounds to 128 (|v - q| ~ 1/2) carries into v, as -128
+                        # (then q <= 126: v <= 127)
+                        carry = np.float32(1.0) if r > np.float32(127.0) else np.float32(0.0)
+                        q += carry
+                        r -= np.float32(256.0) * carry
+                        rows[2 + h, j] = f32_to_i8(r)
+                    rows[h, j] = f32_to_i8(q)
+        for w in range(half // 4):
+            e32[w, t, 0] = words[0, w]
+            o32[w, t, 0] = words[1, w]
+            if two:
+                e32[w, t, 1] = words[2, w]
+                o32[w, t, 1] = words[3, w]
         for u in range(K // unit):
             acc = np.float32(0.0)
             for j in range(u * hu, (u + 1) * hu):

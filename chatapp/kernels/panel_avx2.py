@@ -1,0 +1,162 @@
+"""The prefill panel tile (int8panel.py) for CPUs whose int8 product is AVX2's ``vpmaddubsw``.
+
+With VNNI one ``vpdpbusd`` takes 64 (or 32) nibble x int8 products into int32 lanes, and the
+16-row x 8-token tile keeps 8 int32 and 8 float accumulators in 16 of the 32 zmm registers.
+AVX2 has no such instruction and 16 ymm registers. The generic lowering of the same tile
+(``vpmaddubsw`` to int16 pairs, ``vpmaddwd`` by ones to int32, ``vpaddd``: three instructions
+per 32 products) needs 32 ymm accumulators and spills; on a Zen 2 core it ran at ~47 GMAC/s.
+
+Here the int16 pair sums are added up in int16 across a unit's steps, and widened once per unit:
+a nibble pair against int8 activations is at most 2 x 15 x 128 = 3,840 in magnitude, so up to 8
+of them (4 dword steps, 32 natural elements: the default prefill activation block) stay inside
+int16 (30,720 < 32,767). A longer unit widens every 4 steps into an int32 sum. Per step and
+token that is one ``vpmaddubsw`` and one ``vpaddw`` per 32 products, and per unit one ``vpmaddwd``
+per token.
+
+The tile runs as passes of 8 rows (one ymm of the panel's dwords) x ``token_group`` tokens
+over the whole K, so that the int16 sums, the float accumulators, the unpacked weights and a
+broadcast (nearly) fit the 16 registers. The panel's weights (L1/L2-resident) are read once per
+pass. The results are the same integer sums as the VNNI tile's, scaled in the same order, so
+they are bit-identical to it.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .llvm import F32, I8
+from .simd import I64, declare, is_c_array, splat
+
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+V32B = ir.VectorType(I8, 32)
+V16S = ir.VectorType(_I16, 16)
+V8I = ir.VectorType(_I32, 8)
+V8F = ir.VectorType(F32, 8)
+HALF_ROWS = 8  # rows per pass: one ymm of int32 lanes
+INT16_STEPS = 4  # dword steps whose int16 pair sums cannot overflow (see above)
+
+
+def token_group(planes: int) -> int:
+    """Tokens per pass. Zen 2, one core, 16 x 4096 panel x 256 tokens, GMAC/s: int8 63.8 with
+    4 tokens, 64.9 with 8; 16-bit 30.9 with 2, 32.3 with 4 (11008 wide: 24.0, 27.9). LLVM spills
+    a little at 8 (8 int16 + 8 float sums) and the loads it adds cost less than a second pass."""
+    return 8 if planes == 1 else 4
+
+
+def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
+    """int8panel.make_panel_tile's contract (the same arguments and results), on AVX2."""
+    ksteps = unit // 8
+    units_per_group = group_size // unit
+    group = min(token_group(planes), tokens)
+    if tokens % group:
+        raise ValueError(f"tokens {tokens} must be a multiple of {group}")
+
+    @intrinsic
+    def q4_panel_tile_avx2(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
+        if not (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
+                and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
+                and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
+                and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
+                                                for i in (0, 1, 2, 3, 4, 5, 6, 8))
+            t0v = args[7]
+            n_units = builder.extract_value(ta.shape, 0)
+            tp = builder.extract_value(ta.shape, 1)
+            pan = builder.bitcast(pa.data, _I32.as_pointer())
+            xs = (builder.bitcast(ea.data, _I32.as_pointer()), builder.bitcast(oa.data, _I32.as_pointer()))
+            mod = builder.module
+            maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(V16S, [V32B, V32B]))
+            maddwd = declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(V8I, [V16S, V16S]))
+            fma = declare(mod, "llvm.fma.v8f32", ir.FunctionType(V8F, [V8F] * 3))
+            fifteen, four = ir.Constant(V32B, [15] * 32), ir.Constant(V32B, [4] * 32)
+            ones = ir.Constant(V16S, [1] * 16)
+            zero, szero, izero = ir.Constant(V8F, [0.0] * 8), ir.Constant(V16S, [0] * 16), ir.Constant(V8I, [0] * 8)
+
+            def c(v):
+                return ir.Constant(I64, v)
+
+            def load8(ptr, index, vtype):
+                p = builder.gep(ptr, [index])
+                return builder.load(builder.bitcast(p, vtype.as_pointer()), align=1)
+
+            def bcast(ptr, index):
+                v = builder.load(builder.gep(ptr, [index]), align=1)
+                return builder.bitcast(splat(builder, v, V8I), V32B)
+
+            def one_pass(half: int, tok: int) -> None:
+                """Rows 8 half .. 8 half + 7 times tokens t0 + tok .. + group - 1, over all units."""
+                entry = builder.block
+                loop = builder.append_basic_block("panel2.loop")
+                done = builder.append_basic_block("panel2.done")
+                builder.cbranch(builder.icmp_unsigned(">", n_units, c(0)), loop, done)
+                builder.position_at_end(loop)
+                u = builder.phi(I64)
+                u.add_incoming(c(0), entry)
+                faccs = [builder.phi(V8F) for _ in range(group)]
+                for f in faccs:
+                    f.add_incoming(zero, entry)
+                wide = [[izero] * group for _ in range(planes)]  # int32 sums of a unit's earlier steps
+                short = [[szero] * group for _ in range(planes)]  # int16 sums of the current 4 steps
+                first_token = builder.add(t0v, c(tok))
+                for s_local in range(ksteps):
+                    s = builder.add(builder.mul(u, c(ksteps)), c(s_local))
+                    w = builder.bitcast(load8(pan, builder.add(builder.mul(s, c(16)), c(HALF_ROWS * half)), V8I),
+                                        V32B)
+                    nibbles = (builder.and_(w, fifteen), builder.and_(builder.lshr(w, four), fifteen))
+                    tok0 = builder.add(builder.mul(s, tp), first_token)
+                    for j in range(group):
+                        idx = builder.mul(builder.add(tok0, c(j)), c(planes))
+                        for p in range(planes):
+                            ip = builder.add(idx, c(p)) if p else idx
+                            for nib, x in zip(nibbles, xs):
+                                short[p][j] = builder.add(short[p][j], builder.call(maddubs, [nib, bcast(x, ip)]))
+                    if (s_local + 1) % INT16_STEPS == 0 or s_local == ksteps - 1:
+                        for p in range(planes):
+                            for j in range(group):
+                                pair = builder.call(maddwd, [short[p][j], ones])
+                                wide[p][j] = pair if wide[p][j] is izero else builder.add(wide[p][j], pair)
+                                short[p][j] = szero
+                if planes == 1:
+                    isums = wide[0]
+                else:  # as the VNNI tile: (hi << 8) + lo, inside int32
+                    eight = ir.Constant(V8I, [8] * 8)
+                    isums = [builder.add(builder.shl(h, eight), lo) for h, lo in zip(wide[0], wide[1])]
+                g = builder.udiv(u, c(units_per_group)) if units_per_group > 1 else u
+                prow = builder.add(builder.mul(g, c(16)), c(HALF_ROWS * half))
+                ws, wb = load8(sa.data, prow, V8F), load8(ba.data, prow, V8F)
+                p0 = builder.add(builder.mul(u, tp), first_token)
+                new = []
+                for j in range(group):
+                    p = builder.add(p0, c(j))
+                    tsv = splat(builder, builder.load(builder.gep(ta.data, [p])), V8F)
+                    smv = splat(builder, builder.load(builder.gep(ua.data, [p])), V8F)
+                    acc = builder.call(fma, [builder.sitofp(isums[j], V8F), builder.fmul(ws, tsv), faccs[j]])
+                    new.append(builder.call(fma, [wb, smv, acc]))
+                nxt = builder.add(u, c(1))
+                u.add_incoming(nxt, builder.block)
+                for f, n in zip(faccs, new):
+                    f.add_incoming(n, builder.block)
+                builder.cbranch(builder.icmp_unsigned("<", nxt, n_units), loop, done)
+                builder.position_at_end(done)
+                finals = [builder.phi(V8F) for _ in range(group)]
+                for j, final in enumerate(finals):
+                    final.add_incoming(zero, entry)
+                    final.add_incoming(new[j], loop)
+                for j, final in enumerate(finals):
+                    dst = builder.gep(outa.data, [c(16 * (tok + j) + HALF_ROWS * half)])
+                    builder.store(final, builder.bitcast(dst, V8F.as_pointer()), align=4)
+
+            for tok in range(0, tokens, group):
+                for half in range(2):
+                    one_pass(half, tok)
+            return context.get_dummy_value()
+
+        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, out), codegen
+
+    return q4_panel_tile_avx2
