@@ -70,7 +70,7 @@ CONFIG_DIR_ENV = "CHATAPP_CONFIG_DIR"
 CONFIG_FILE_NAME = "config.toml"
 
 # cpu.numerics: the fused decode and prefill steps' 4-bit products (backend/cpu.py validates against
-# this too); auto is fast where the CPU has a native int8 dot product, else exact (fused_decode.py)
+# this too); auto is fast where the CPU has vector int8 products (VNNI, AVX2), else exact (fused_decode.py)
 NUMERICS = ("auto", "exact", "fast")
 # cpu.kv_dtype: the K/V buffers the fused CPU routes make (backend/fused_decode.py validates against
 # this too); auto is float16 where the CPU converts half precision in vector instructions (F16C)

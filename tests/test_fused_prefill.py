@@ -82,19 +82,27 @@ def test_greedy_after_a_fused_prefill_equals_mlx():
     assert outs[0] == outs[1]
 
 
-def test_fast_numerics_keeps_down_proj_and_the_last_layer_exact_and_a_cleared_mask_is_exact():
-    from chatapp.kernels.decode_step import FAST_ALL, FAST_DOWN
+def test_fast_numerics_keeps_down_proj_on_16_bits_and_the_last_layer_exact_and_a_cleared_mask_is_exact():
+    from chatapp.kernels.decode_step import FAST_ALL, FAST_DOWN, FAST_DOWN_WIDE
     from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
     exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
     apply_fast_path(exact, backend="cpu", warm_up=False)
     plan = apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
     dec = fast._chatapp_fused
+    # down_proj on 16-bit activations in prefill, exact in decode; the last layer exact
+    wide = FAST_ALL & ~FAST_DOWN | FAST_DOWN_WIDE
+    assert PREFILL_DOWN_WIDE == FAST_DOWN_WIDE and FAST_DOWN_WIDE & FAST_ALL == 0 and FAST_DOWN_WIDE < 1 << 8
     assert list(dec.fast_mask) == [FAST_ALL & ~FAST_DOWN] * (len(dec.layers) - 1) + [0]
-    # the prefill's down_proj on 16 bits in the same layers; decode never reads that bit
-    assert list(dec.prefill_mask) == [FAST_ALL & ~FAST_DOWN | PREFILL_DOWN_WIDE] * (len(dec.layers) - 1) + [0]
-    assert PREFILL_DOWN_WIDE & FAST_ALL == 0 and PREFILL_DOWN_WIDE < 1 << 8
+    assert list(dec.prefill_mask) == [wide] * (len(dec.layers) - 1) + [0]
     assert "16-bit activations in prefill, exact in decode; the last layer exact" in plan.fused_decode
+    # the decode's down_proj on 16 bits on request: the same bit in the decode mask
+    dec.set_fast(True, decode_down="wide")
+    assert list(dec.fast_mask) == [wide] * (len(dec.layers) - 1) + [0]
+    assert list(dec.prefill_mask) == [wide] * (len(dec.layers) - 1) + [0]
+    with pytest.raises(ValueError, match="decode_down"):
+        dec.set_fast(True, decode_down="int8")
+    dec.set_fast(True)
 
     def step_logits(m):
         caches = make_caches(m, CacheSettings())
@@ -105,6 +113,12 @@ def test_fast_numerics_keeps_down_proj_and_the_last_layer_exact_and_a_cleared_ma
     assert not np.array_equal(got_fast, want)  # int8 activations in layer 0 change the numbers
     dec.fast_mask[:] = 0
     assert np.array_equal(step_logits(fast), want)
+    # down_proj alone on 16-bit activations in every layer: far closer to exact than on int8
+    err = {}
+    for bit in (FAST_DOWN_WIDE, FAST_DOWN):
+        dec.fast_mask[:] = bit
+        err[bit] = np.abs(step_logits(fast) - want).max() / np.abs(want).max()
+    assert 0 < err[FAST_DOWN_WIDE] < 1e-3 and err[FAST_DOWN_WIDE] * 20 < err[FAST_DOWN], err
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
 from chatapp.kernels import int8dot  # noqa: E402
-from chatapp.kernels.int8dot import detect_isa, make_rows_i8, quantise_lanes  # noqa: E402
+from chatapp.kernels.int8dot import detect_isa, make_rows_i8, quantise_lanes, quantise_lanes_wide  # noqa: E402
 from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: E402
 
 # int8 per block: each activation carries at most scale/2 = max|x|/254 of rounding, so against
@@ -27,11 +27,11 @@ REL_TOL = 3e-2
 _KERNELS: dict = {}
 
 
-def _kernel(isa: str, gs: int):
-    """A jitted caller of the 4-row kernel for (isa, group size), built once per test session."""
-    key = (isa, gs)
+def _kernel(isa: str, gs: int, planes: int = 1):
+    """A jitted caller of the 4-row kernel for (isa, group size, planes), built once per test session."""
+    key = (isa, gs, planes)
     if key not in _KERNELS:
-        k = make_rows_i8(isa, gs)
+        k = make_rows_i8(isa, gs, planes=planes)
 
         @njit
         def run(w, a, b, c, d, sc, bi, out):
@@ -72,6 +72,37 @@ def test_int8_rows_match_dequantize_then_matmul(seed, gs, chunks, half, block, s
     for isa in runnable_isas():
         out = np.empty(4, np.float32)
         _kernel(isa, gs)(packed, *xq, s, b, out)
+        np.testing.assert_allclose(out, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
+        assert np.all(np.abs(out - exact) <= bound), isa
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), chunks=st.integers(1, 6),
+       half=st.booleans(), block=st.sampled_from([8, 16, 32]), spread=st.sampled_from([1.0, 30.0]))
+def test_16bit_rows_match_their_integers_and_are_about_256_times_finer(seed, gs, chunks, half, block, spread):
+    """planes 2 (down_proj in decode): every ISA this CPU runs gives the sums of its model, the
+    activations as (hi * 256 + lo) x scale / 256, to float rounding; each activation is within
+    scale / 512 of x (half a step of the low plane), so the product is within that bound of the
+    float one; K % 128 = 64 included."""
+    k = 64 * chunks if gs != 128 else 128 * chunks
+    packed, s, b, deq = quantized(seed, 4, k, gs, half)
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(k) * rng.choice([0.01, 1.0, spread], k)).astype(np.float32)
+    xq = (np.empty(k, np.int8), np.empty(k, np.int8), np.empty(k // 8, np.float32), np.empty(k // 8, np.float32))
+    quantise_lanes_wide(x, block, *xq)
+    h = k // 2
+    x16 = np.empty(k, np.float64)
+    x16[0::2] = xq[0][:h] * 256.0 + xq[0][h:]
+    x16[1::2] = xq[1][:h] * 256.0 + xq[1][h:]
+    step = np.repeat(xq[2], 8).astype(np.float64)  # the block's scale / 256
+    assert np.all(np.abs(x16 * step - x) <= step / 2 * 1.001 + np.abs(x) * 2.0**-20 + 1e-30)
+    scaled = dequant(packed, s, np.zeros_like(s), gs).astype(np.float64)
+    model = scaled @ (x16 * step) + np.repeat(as_f32(b), gs, 1) @ x
+    exact = deq @ x
+    bound = np.abs(scaled) @ (step / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    for isa in runnable_isas():
+        out = np.empty(4, np.float32)
+        _kernel(isa, gs, 2)(packed, *xq, s, b, out)
         np.testing.assert_allclose(out, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
         assert np.all(np.abs(out - exact) <= bound), isa
 
@@ -122,6 +153,8 @@ def test_no_features_falls_back_to_portable_code(monkeypatch):
     assert np.abs(out - deq @ x).max() <= REL_TOL * np.abs(deq @ x).max()
     with pytest.raises(ValueError, match="isa must be one of"):
         make_rows_i8("sse9", 32)
+    with pytest.raises(ValueError, match="planes must be 1 or 2"):
+        make_rows_i8(detect_isa(), 32, planes=3)
 
 
 def test_fused_fast_decode_stays_close_to_exact():

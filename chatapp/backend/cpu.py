@@ -175,7 +175,7 @@ def accelerate_model(
     (fused_decode.py); every supported projection then takes the kernel route, since
     decode no longer pays a dispatch per small layer. numerics: "exact", "fast" (the fused
     step's 4-bit rows against int8-quantised activations, kernels/int8dot.py) or "auto" (fast
-    where the CPU has VNNI, fused_decode.resolve_numerics). kv_dtype: the K/V buffers the fused
+    where the CPU has VNNI or AVX2, fused_decode.resolve_numerics). kv_dtype: the K/V buffers the fused
     routes make, "float16", "float32" or "auto" (float16 where the CPU has F16C,
     fused_decode.resolve_kv_dtype). precompile: on a first start, compile the fused prefill kernel
     in a second process meanwhile (precompile.py). on_slow_warm_up: told, from a helper thread, while a warm-up

@@ -43,7 +43,7 @@ def cpu_backend_lines(cpu) -> list[str]:
                 from chatapp.backend.fused_decode import numerics_line
 
                 lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics}"
-                             f"{': fast where the CPU has VNNI' if cpu.numerics == 'auto' else ''})")
+                             f"{': fast where the CPU has VNNI or AVX2' if cpu.numerics == 'auto' else ''})")
                 from chatapp.backend.fused_decode import kv_dtype_line
 
                 lines.append(f"fused decode and prefill {kv_dtype_line(cpu.kv_dtype)} (cpu.kv_dtype = {cpu.kv_dtype}"

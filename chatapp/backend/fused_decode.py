@@ -245,7 +245,7 @@ class FusedDecoder:
         return sum(s.nbytes for layer in self.layers for _, s, b in layer.weights if b.shape[1] == 0)
 
     def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True,
-                 prefill_block: int = 0, prefill_down: str = "wide") -> None:
+                 prefill_block: int = 0, prefill_down: str = "wide", decode_down: str = "exact") -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
         SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
@@ -258,12 +258,20 @@ class FusedDecoder:
         which may be coarser than the decode's: the panel kernel scales once per block (or group).
         ``prefill_down``: where ``down_exact`` keeps down_proj exact in decode, the prefill's down_proj
         on ``wide`` 16-bit activations (``prefill_mask`` gets prefill_step's PREFILL_DOWN_WIDE), on
-        ``int8`` ones or ``exact`` (SmolLM2 after a 1,024-token chunk, each: BENCHMARKS.md)."""
-        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN
+        ``int8`` ones or ``exact`` (SmolLM2 after a 1,024-token chunk, each: BENCHMARKS.md).
+        ``decode_down``: the decode step's down_proj where ``down_exact``: ``exact`` (float32
+        activations, the default) or ``wide`` (decode_step's FAST_DOWN_WIDE). On the Zen 2 without
+        VNNI, wide decoded SmolLM2 6-8% faster; its perplexity against exact down_proj moved by
+        -0.3% to +0.43% on KJV texts of 300-3,072 tokens, the size of the int8 products' rounding
+        flips elsewhere, so it is not the default until a longer measurement says which way it
+        goes (BENCHMARKS.md, stop 30)."""
+        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN, FAST_DOWN_WIDE
         from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
         if prefill_down not in ("wide", "int8", "exact"):
             raise ValueError(f"prefill_down must be wide, int8 or exact, not {prefill_down!r}")
+        if decode_down not in ("wide", "exact"):
+            raise ValueError(f"decode_down must be wide or exact, not {decode_down!r}")
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
@@ -273,12 +281,14 @@ class FusedDecoder:
         n = len(self.layers)
         self.fast = fast
         products = FAST_ALL & ~FAST_DOWN if down_exact else FAST_ALL
+        if down_exact and decode_down == "wide":
+            products |= FAST_DOWN_WIDE
         self.fast_mask = np.full(n, (products | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
         # the prefill's mask: the same products, and in the layers with int8 ones down_proj as asked
         down = {"wide": PREFILL_DOWN_WIDE, "int8": FAST_DOWN, "exact": 0}[prefill_down] if down_exact else 0
-        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask | down, 0).astype(np.int64)
+        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask & ~FAST_DOWN_WIDE | down, 0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -523,14 +533,14 @@ def _fused_class(base: type) -> type:
 
 
 def resolve_numerics(numerics: str) -> str:
-    """``exact`` or ``fast`` for a cpu.numerics choice: ``auto`` is fast where the CPU multiplies
-    int8 in one instruction (VNNI, detected) and exact elsewhere, where the AVX2 or portable int8
-    code would not pay for its accuracy cost."""
+    """``exact`` or ``fast`` for a cpu.numerics choice: ``auto`` is fast where the CPU has vector
+    int8 products (VNNI or AVX2, detected: int8dot.AUTO_FAST_ISAS) and exact elsewhere, where the
+    portable int8 code would not pay for its accuracy cost."""
     if numerics != "auto":
         return numerics
-    from chatapp.kernels.int8dot import ISA, NATIVE_INT8_ISAS
+    from chatapp.kernels.int8dot import AUTO_FAST_ISAS, ISA
 
-    return "fast" if ISA in NATIVE_INT8_ISAS else "exact"
+    return "fast" if ISA in AUTO_FAST_ISAS else "exact"
 
 
 def numerics_line(numerics: str) -> str:

@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype-rows", default="",
                    help="more exact rows with the fused routes' K/V in these dtypes, e.g. 'float32' "
                    "(the models run cpu.kv_dtype auto: float16 where the CPU has F16C; default: none)")
+    p.add_argument("--decode-down", default="",
+                   help="more fast rows with the decode step's down_proj on these: 'wide' (16-bit "
+                   "activations) or 'exact' (float32, what fast runs) (default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
@@ -151,6 +154,12 @@ def run(args) -> int:
     for name, block, last_exact in variants:
         dec.set_fast(True, block, last_exact, down_exact=last_exact)
         logits[name] = _teacher_forced(models["fast"], ids)
+    decode_downs = [d.strip() for d in args.decode_down.split(",") if d.strip()]
+    if any(d not in ("exact", "wide") for d in decode_downs):
+        raise SystemExit(f"--decode-down: {args.decode_down!r} is not a list of exact|wide")
+    for d in decode_downs:
+        dec.set_fast(True, decode_down=d)
+        logits[f"fast, decode down {d}"] = _teacher_forced(models["fast"], ids)
     dec.set_fast(True)
     kv_rows = [d.strip() for d in args.kv_dtype_rows.split(",") if d.strip()]
     dec_exact = fused_decoder(models["exact"])

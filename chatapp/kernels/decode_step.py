@@ -40,7 +40,7 @@ from numba.extending import intrinsic
 from .affine import bias_at
 from .group_attention import SLOT, attend_split, merge_splits, n_splits
 from .half import kv_buffer, store_f32
-from .int8dot import ACT_BLOCK, q4_rows4_i8, quantise_lanes
+from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
 from .llvm import atomic_add
 from .microkernels import A_ROWS
 from .rows4 import ROWS, q4_rows4_dot
@@ -50,6 +50,12 @@ PHASES = 5
 # the bits of token_step's ``fast``: which products of a layer run on int8 activations
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
 FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
+# down_proj on 16-bit activations (two int8 planes, int8dot.make_rows_i8(planes=2)) where FAST_DOWN
+# is not set: its input silu(gate) x up has the widest range, and on int8 it cost SmolLM2 +0.42% of
+# perplexity on a long text; 16 bits round ~1/256 as coarsely. The prefill sets it by default
+# (prefill_step.PREFILL_DOWN_WIDE, the same bit); the decode only on request
+# (FusedDecoder.set_fast(decode_down="wide"): BENCHMARKS.md, stop 30)
+FAST_DOWN_WIDE = 16
 # fast >> FAST_BLOCK_SHIFT: the activation elements per int8 scale (8, 16 or 32; 0: ACT_BLOCK)
 FAST_BLOCK_SHIFT = 8
 # rows per claimed chunk at least: each claim and each done count moves a cache line between the
@@ -111,9 +117,10 @@ def phase_barrier(ctl, phase, n):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block):  # pragma: no cover - jitted
+def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block, wide):  # pragma: no cover
     """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums;
-    when ``fast``, also its int8 blocks of ``block`` xq = (even, odd, lane scales, lane sums)."""
+    when ``fast``, also its int8 blocks of ``block`` xq = (even, odd, lane scales, lane sums), on
+    16 bits when ``wide`` (quantise_lanes_wide: each of even and odd K long)."""
     K = src.shape[0]
     if norm_w.shape[0]:
         ss = np.float32(0.0)
@@ -134,7 +141,9 @@ def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block):  
         for j in range(g * group_size, (g + 1) * group_size):
             acc += xn[j]
         xsum[g] = acc
-    if fast:
+    if fast and wide:
+        quantise_lanes_wide(xn[:K], block, xq[0][:K], xq[1][:K], xq[2][:K // 8], xq[3][:K // 8])
+    elif fast:
         quantise_lanes(xn, block, xq[0][:half], xq[1][:half], xq[2][:K // 8], xq[3][:K // 8])
 
 
@@ -152,17 +161,20 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq):  # pragma: no cover - jitted
+def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq,
+             wide):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
-    4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``), the rest
-    one by one. xq = (even int8, odd int8, lane scales, lane sums) of the input (used when fast;
-    those rows include their biases)."""
+    4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``; 16-bit ones
+    when also ``wide``), the rest one by one. xq = (even int8, odd int8, lane scales, lane sums)
+    of the input (used when fast; those rows include their biases)."""
     packed, scales, biases = w
     r = r_start
     tmp = np.empty(ROWS, np.float32)
     if bits == 4:
         while r + ROWS <= r_end:
-            if fast:
+            if fast and wide:
+                q4_rows4_i16(packed, r, xq, scales, biases, group_size, tmp)
+            elif fast:
                 q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
             else:
                 q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
@@ -238,17 +250,21 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     no_norm = np.empty(0, np.float32)
     gbuf = np.empty(rows_per_chunk(hidden, chunks), np.float32)
     ubuf = np.empty(rows_per_chunk(hidden, chunks), np.float32)
-    xq = (np.empty(kmax // 2, np.int8), np.empty(kmax // 2, np.int8), np.empty(kmax // 8, np.float32),
+    # K bytes each: room for the two planes of 16-bit activations (FAST_DOWN_WIDE)
+    xq = (np.empty(kmax, np.int8), np.empty(kmax, np.int8), np.empty(kmax // 8, np.float32),
           np.empty(kmax // 8, np.float32))
     # fast: a bit per product group on int8 activations (FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN)
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
+    down_wide = (fast & FAST_DOWN_WIDE) != 0 and not f_down
+    narrow = np.bool_(False)  # a value, not a literal: one compiled _project and _prepare
+    f_down = f_down or down_wide
     blk = fast >> FAST_BLOCK_SHIFT
     if blk == 0:
         blk = ACT_BLOCK
 
     # 1. q, k, v rows (one phase over their rows together)
     _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
-             f_qkv, xq, blk)
+             f_qkv, xq, blk, narrow)
     ch1 = rows_per_chunk(nqkv, chunks)
     n1 = (nqkv + ch1 - 1) // ch1
     while True:
@@ -262,7 +278,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             s0, s1 = max(a, lo_), min(b, hi_)
             if s0 < s1:
                 _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
-                         False, f_qkv, xq)
+                         False, f_qkv, xq, narrow)
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n1)
 
@@ -311,7 +327,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
-    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk)
+    _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk,
+             narrow)
     ch3 = rows_per_chunk(dim, chunks)
     n3 = (dim + ch3 - 1) // ch3
     while True:
@@ -319,13 +336,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch3, min(dim, (c + 1) * ch3)
-        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq, narrow)
         phase_done(ctl, 2)
     phase_barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
     _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
-             f_gu, xq, blk)
+             f_gu, xq, blk, narrow)
     ch4 = rows_per_chunk(hidden, chunks)
     n4 = (hidden + ch4 - 1) // ch4
     while True:
@@ -333,8 +350,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch4, min(hidden, (c + 1) * ch4)
-        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq)
-        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq, narrow)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq, narrow)
         for r in range(a, b):
             act[r] = silu_mul(gbuf[r - a], ubuf[r - a])
         phase_done(ctl, 3)
@@ -342,7 +359,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
-             xsum[:hidden // group_size], f_down, xq, blk)
+             xsum[:hidden // group_size], f_down, xq, blk, down_wide)
     ch5 = rows_per_chunk(dim, chunks)
     n5 = (dim + ch5 - 1) // ch5
     while True:
@@ -350,7 +367,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch5, min(dim, (c + 1) * ch5)
-        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq, down_wide)
         phase_done(ctl, 4)
     phase_barrier(ctl, 4, n5)
 

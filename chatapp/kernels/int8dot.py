@@ -38,8 +38,11 @@ ROWS = 4  # rows per kernel call: they share each activation load
 # see ``FusedDecoder`` and BENCHMARKS.md for what each costs in perplexity
 ACT_BLOCK = 8
 ISAS = ("vnni512", "vnni", "avx2", "generic")
-# where int8 products are one instruction (vpdpbusd): cpu.numerics = auto picks fast there only
-NATIVE_INT8_ISAS = ("vnni512", "vnni")
+# where cpu.numerics = auto picks fast: the ISAs with a vector int8 product (VNNI's vpdpbusd,
+# AVX2's vpmaddubsw). On a Zen 2 without VNNI (2 cores, quiet), fast against exact: the 7B
+# geometry's decode 14.3 against 9.3 tok/s and its prefill 37.9 against 33.7; SmolLM2's decode
+# 100 against 77, its prefill 367 against 386 (BENCHMARKS.md, stop 30). The portable code stays exact.
+AUTO_FAST_ISAS = ("vnni512", "vnni", "avx2")
 _I32 = ir.IntType(32)
 _I16 = ir.IntType(16)
 V32B = ir.VectorType(I8, 32)
@@ -168,7 +171,7 @@ def wide_steps(builder: ir.IRBuilder, nstep, tail, n_acc: int, zero, step, name:
 
 
 def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, prefetch_params: bool = False,
-                 symmetric: bool | None = False):
+                 symmetric: bool | None = False, planes: int = 1):
     """``rows`` rows of a 4-bit weight against int8 activations, biases included:
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
@@ -181,7 +184,15 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
     with ``prefetch_params`` its scales and biases as far ahead, every step). ``symmetric``: the
     biases are not read (the argument may be empty, affine.py); each is -8 x its scale, formed
     from the scale vector already loaded, which is exact: the same bits as reading them. None:
-    both loops, the symmetric one taken when the bias array is empty ([N, 0])."""
+    both loops, the symmetric one taken when the bias array is empty ([N, 0]).
+
+    ``planes`` 2: 16-bit activations (quantise_lanes_wide): xqe/xqo hold K/2 high bytes, then
+    K/2 low ones, each value hi + lo / 256; each plane gets its own pair of dot products against
+    the same nibbles, and per lane the two int32 sums are combined as (hi << 8) + lo before the
+    one conversion (|hi sum| <= 8 x 15 x 127 per lane: shifted, far inside int32). The lane
+    scales are then the block's scale / 256."""
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, not {planes}")
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
     if group_size not in (32, 64, 128):
@@ -239,6 +250,10 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                     ls = builder.shuffle_vector(vload(builder, la.data, lane0, V8F), z8, idx)
                     xs = builder.shuffle_vector(vload(builder, xa.data, lane0, V8F), z8, idx)
                 xe, xo = load(ea.data, base), load(oa.data, base)
+                if planes == 2:  # the low bytes: K/2 (= the packed row bytes) further on
+                    lo_base = builder.add(base, row_bytes)
+                    xe_lo, xo_lo = load(ea.data, lo_base), load(oa.data, lo_base)
+                eight = ir.Constant(V16I, [8] * 16)
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
                 if prefetch and nb == WIDE:
@@ -247,8 +262,12 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                                    prefetch * WIDE, rows, 2, ir.Constant(I64, group_size), n_groups)
                 for i in range(rows):
                     b = load(wrows[i], base)
-                    d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, builder.and_(b, fifteen), xe),
-                                      builder.lshr(b, four), xo)
+                    lo_nib, hi_nib = builder.and_(b, fifteen), builder.lshr(b, four)
+                    d = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, lo_nib, xe), hi_nib, xo)
+                    if planes == 2:
+                        d_lo = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, lo_nib, xe_lo),
+                                            hi_nib, xo_lo)
+                        d = builder.add(builder.shl(d, eight), d_lo)
                     ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
                     wb = (builder.fmul(ws, minus8) if sym
                           else lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales))
@@ -303,6 +322,39 @@ def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no c
         lane_sums[lane] = acc
 
 
+@njit(fastmath=True, nogil=True, cache=True)
+def quantise_lanes_wide(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
+    """quantise_lanes on 16 bits, for make_rows_i8(planes=2): xqe/xqo [K] hold the int8 values v
+    of the even / odd elements in [0, K/2) and the int8 remainders r in [K/2, K), x / scale ~ v +
+    r / 256 (nearest: |error| <= scale / 512, scale = max|x| / 127 per block); lane_scales the
+    block's scale / 256. The same rounding as int8panel.quantise_panel_tokens' two planes."""
+    K = xn.shape[0]
+    half = K // 2
+    for b in range(K // block):
+        m = np.float32(0.0)
+        for j in range(b * block, (b + 1) * block):
+            m = max(m, abs(xn[j]))
+        s = m / np.float32(127.0)
+        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        for j in range(b * block, b * block + block):
+            v = xn[j] * inv
+            q = np.rint(v)
+            r = np.rint((v - q) * np.float32(256.0))
+            if r > np.float32(127.0):  # a remainder that rounds to 128 carries into v, as -128
+                q += np.float32(1.0)
+                r -= np.float32(256.0)
+            dst = xqe if j % 2 == 0 else xqo
+            dst[j // 2] = np.int8(np.int32(q))
+            dst[half + j // 2] = np.int8(np.int32(r))
+        for lane in range(b * block // 8, (b + 1) * block // 8):
+            lane_scales[lane] = s / np.float32(256.0)
+    for lane in range(K // 8):
+        acc = np.float32(0.0)
+        for j in range(8 * lane, 8 * lane + 8):
+            acc += xn[j]
+        lane_sums[lane] = acc
+
+
 ISA = detect_isa()
 # steps of 64 packed bytes that each row is prefetched ahead, scales and biases included: on the
 # 2-core Xeon (AVX-512 VNNI) the hardware prefetchers keep too few of a call's 12 streams (4 rows
@@ -327,3 +379,21 @@ def q4_rows4_i8(packed, r0, xq, scales, biases, group_size, out):  # pragma: no 
         _k64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
     else:
         _k128(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+
+
+# the same rows on 16-bit activations (down_proj in decode, decode_step.FAST_DOWN_WIDE)
+_ROWS_I16 = {gs: make_rows_i8(ISA, gs, prefetch=PREFETCH_STEPS, prefetch_params=True, symmetric=None, planes=2)
+             for gs in (32, 64, 128)}
+_w32, _w64, _w128 = _ROWS_I16[32], _ROWS_I16[64], _ROWS_I16[128]
+
+
+@njit(nogil=True, cache=True, inline="always")
+def q4_rows4_i16(packed, r0, xq, scales, biases, group_size, out):  # pragma: no cover - jitted
+    """q4_rows4_i8 on 16-bit activations: xq = (even [K], odd [K], lane scales, lane sums) of
+    quantise_lanes_wide."""
+    if group_size == 32:
+        _w32(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+    elif group_size == 64:
+        _w64(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)
+    else:
+        _w128(packed, r0, xq[0], xq[1], xq[2], xq[3], scales, biases, out)

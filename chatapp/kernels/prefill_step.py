@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .affine import bias_at
-from .decode_step import LINE, phase_barrier, phase_claim, phase_done, silu_mul
+from .decode_step import FAST_DOWN_WIDE, LINE, phase_barrier, phase_claim, phase_done, silu_mul
 from .half import kv_buffer
 from .int8panel import (
     PANEL_ROWS,
@@ -48,7 +48,7 @@ from .views import rows_of
 # down_proj on 16-bit activations, two int8 planes (int8panel). On int8, its input silu(gate) x up,
 # the widest-ranged, cost SmolLM2 +0.56-0.62% perplexity; on 16 bits ~1/256 of that rounding, at
 # ~0.55x the int8 kernel's speed and ~2.3x the float tile's (BENCHMARKS.md)
-PREFILL_DOWN_WIDE = 16
+PREFILL_DOWN_WIDE = FAST_DOWN_WIDE
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
 
 
