@@ -298,6 +298,25 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
     return q4_rows_dot_i8
 
 
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _block_scale(xn, b, block):  # pragma: no cover - jitted
+    """(max|x| / 127, its inverse or 0) of block b of ``block`` elements."""
+    m = np.float32(0.0)
+    for j in range(b * block, (b + 1) * block):
+        m = max(m, abs(xn[j]))
+    return m / np.float32(127.0), np.float32(127.0) / m if m > 0 else np.float32(0.0)
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def _lane_sums(xn, lane_sums):  # pragma: no cover - jitted
+    """lane_sums[l] = the float sum of xn's elements 8 l .. 8 l + 7."""
+    for lane in range(xn.shape[0] // 8):
+        acc = np.float32(0.0)
+        for j in range(8 * lane, 8 * lane + 8):
+            acc += xn[j]
+        lane_sums[lane] = acc
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
     """xn [K] (K a multiple of 64) -> int8 even/odd halves [K/2], and per lane of 8 elements
@@ -305,21 +324,13 @@ def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no c
     (8, 16 or 32 elements per scale, max|x| / 127, rounded to nearest)."""
     K = xn.shape[0]
     for b in range(K // block):
-        m = np.float32(0.0)
-        for j in range(b * block, (b + 1) * block):
-            m = max(m, abs(xn[j]))
-        s = m / np.float32(127.0)
-        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        s, inv = _block_scale(xn, b, block)
         for j in range(b * block, (b + 1) * block, 2):
             xqe[j // 2] = np.int8(np.int32(np.rint(xn[j] * inv)))
             xqo[j // 2] = np.int8(np.int32(np.rint(xn[j + 1] * inv)))
         for lane in range(b * block // 8, (b + 1) * block // 8):
             lane_scales[lane] = s
-    for lane in range(K // 8):
-        acc = np.float32(0.0)
-        for j in range(8 * lane, 8 * lane + 8):
-            acc += xn[j]
-        lane_sums[lane] = acc
+    _lane_sums(xn, lane_sums)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -331,11 +342,7 @@ def quantise_lanes_wide(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma:
     K = xn.shape[0]
     half = K // 2
     for b in range(K // block):
-        m = np.float32(0.0)
-        for j in range(b * block, (b + 1) * block):
-            m = max(m, abs(xn[j]))
-        s = m / np.float32(127.0)
-        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        s, inv = _block_scale(xn, b, block)
         for j in range(b * block, b * block + block):
             v = xn[j] * inv
             q = np.rint(v)
@@ -348,11 +355,7 @@ def quantise_lanes_wide(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma:
             dst[half + j // 2] = np.int8(np.int32(r))
         for lane in range(b * block // 8, (b + 1) * block // 8):
             lane_scales[lane] = s / np.float32(256.0)
-    for lane in range(K // 8):
-        acc = np.float32(0.0)
-        for j in range(8 * lane, 8 * lane + 8):
-            acc += xn[j]
-        lane_sums[lane] = acc
+    _lane_sums(xn, lane_sums)
 
 
 ISA = detect_isa()

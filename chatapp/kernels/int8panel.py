@@ -48,8 +48,8 @@ from numba.extending import intrinsic
 from .affine import bias_at
 from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide
 from .llvm import as_f32, f32_to_i8, rint_f32
-from .panel_avx2 import make_avx2_panel_tile
-from .simd import I64, V16F, declare, is_c_array, splat
+from .panel_avx2 import make_avx2_panel_tile, panel_args, panel_args_ok
+from .simd import I64, V16F, declare, splat
 
 PANEL_ROWS = 16  # rows per panel: one int32 lane each
 # tokens per kernel call: 8 int32 + 8 float accumulators, 16 of the 32 zmm (6, 8, 10 and 12 tokens
@@ -90,21 +90,11 @@ def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TO
 
     @intrinsic
     def q4_panel_tile(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
-        if not (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
-                and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
-                and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
-                and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1)):
+        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out):
             return None
 
         def codegen(context, builder, signature, args):
-            pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
-                                                for i in (0, 1, 2, 3, 4, 5, 6, 8))
-            t0v = args[7]
-            n_units = builder.extract_value(ta.shape, 0)
-            tp = builder.extract_value(ta.shape, 1)
-            pan = builder.bitcast(pa.data, _I32.as_pointer())
-            xe32 = builder.bitcast(ea.data, _I32.as_pointer())
-            xo32 = builder.bitcast(oa.data, _I32.as_pointer())
+            sa, ba, ta, ua, outa, t0v, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature, args)
             fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
             fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
             zero = ir.Constant(V16F, [0.0] * 16)

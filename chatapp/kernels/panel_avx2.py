@@ -39,6 +39,25 @@ HALF_ROWS = 8  # rows per pass: one ymm of int32 lanes
 INT16_STEPS = 4  # dword steps whose int16 pair sums cannot overflow (see above)
 
 
+def panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out) -> bool:
+    """The argument types every panel tile takes (int8panel.make_panel_tile's contract)."""
+    return (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
+            and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
+            and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
+            and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1))
+
+
+def panel_args(context, builder, signature, args) -> tuple:
+    """What a panel tile's codegen reads of its arguments: the scale, bias, token-scale, token-sum
+    and output arrays, t0, the units (K / unit) and token rows Tp, and the panel and the two
+    activation planes as int32 pointers (one dword: 4 weights' bytes or 4 activations)."""
+    pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
+                                        for i in (0, 1, 2, 3, 4, 5, 6, 8))
+    i32p = _I32.as_pointer()
+    return (sa, ba, ta, ua, outa, args[7], builder.extract_value(ta.shape, 0), builder.extract_value(ta.shape, 1),
+            builder.bitcast(pa.data, i32p), builder.bitcast(ea.data, i32p), builder.bitcast(oa.data, i32p))
+
+
 def token_group(planes: int) -> int:
     """Tokens per pass. Zen 2, one core, 16 x 4096 panel x 256 tokens, GMAC/s: int8 63.8 with
     4 tokens, 64.9 with 8; 16-bit 30.9 with 2, 32.3 with 4 (11008 wide: 24.0, 27.9). LLVM spills
@@ -56,20 +75,12 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
 
     @intrinsic
     def q4_panel_tile_avx2(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
-        if not (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
-                and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
-                and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
-                and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1)):
+        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out):
             return None
 
         def codegen(context, builder, signature, args):
-            pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
-                                                for i in (0, 1, 2, 3, 4, 5, 6, 8))
-            t0v = args[7]
-            n_units = builder.extract_value(ta.shape, 0)
-            tp = builder.extract_value(ta.shape, 1)
-            pan = builder.bitcast(pa.data, _I32.as_pointer())
-            xs = (builder.bitcast(ea.data, _I32.as_pointer()), builder.bitcast(oa.data, _I32.as_pointer()))
+            sa, ba, ta, ua, outa, t0v, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature, args)
+            xs = (xe32, xo32)
             mod = builder.module
             maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(V16S, [V32B, V32B]))
             maddwd = declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(V8I, [V16S, V16S]))
