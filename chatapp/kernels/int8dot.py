@@ -253,7 +253,6 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                 if planes == 2:  # the low bytes: K/2 (= the packed row bytes) further on
                     lo_base = builder.add(base, row_bytes)
                     xe_lo, xo_lo = load(ea.data, lo_base), load(oa.data, lo_base)
-                eight = ir.Constant(V16I, [8] * 16)
                 gidx = builder.udiv(builder.mul(base, ir.Constant(I64, 2)), ir.Constant(I64, group_size))
                 out_accs = []
                 if prefetch and nb == WIDE:
@@ -267,7 +266,7 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
                     if planes == 2:
                         d_lo = dot_i32_wide(builder, isa, dot_i32_wide(builder, isa, izero, lo_nib, xe_lo),
                                             hi_nib, xo_lo)
-                        d = builder.add(builder.shl(d, eight), d_lo)
+                        d = builder.add(builder.shl(d, ir.Constant(V16I, [8] * 16)), d_lo)
                     ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
                     wb = (builder.fmul(ws, minus8) if sym
                           else lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales))
@@ -333,23 +332,30 @@ def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no c
     _lane_sums(xn, lane_sums)
 
 
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
+def split16(v):  # pragma: no cover - jitted
+    """(q, r), integral float32s in int8's range, with v ~ q + r / 256 to the nearest 1/256
+    (|v| <= 127): q = rint(v) and r the rounded remainder, except that a remainder rounding to
+    128 (|v - q| ~ 1/2) carries into q, as -128 (then q <= 126). The 16-bit activations of the
+    decode rows (quantise_lanes_wide) and of the prefill panels (int8panel) both split so."""
+    q = np.rint(v)
+    r = np.rint((v - q) * np.float32(256.0))
+    carry = np.float32(1.0) if r > np.float32(127.0) else np.float32(0.0)
+    return q + carry, r - np.float32(256.0) * carry
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def quantise_lanes_wide(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
     """quantise_lanes on 16 bits, for make_rows_i8(planes=2): xqe/xqo [K] hold the int8 values v
     of the even / odd elements in [0, K/2) and the int8 remainders r in [K/2, K), x / scale ~ v +
     r / 256 (nearest: |error| <= scale / 512, scale = max|x| / 127 per block); lane_scales the
-    block's scale / 256. The same rounding as int8panel.quantise_panel_tokens' two planes."""
+    block's scale / 256 (split16)."""
     K = xn.shape[0]
     half = K // 2
     for b in range(K // block):
         s, inv = _block_scale(xn, b, block)
         for j in range(b * block, b * block + block):
-            v = xn[j] * inv
-            q = np.rint(v)
-            r = np.rint((v - q) * np.float32(256.0))
-            if r > np.float32(127.0):  # a remainder that rounds to 128 carries into v, as -128
-                q += np.float32(1.0)
-                r -= np.float32(256.0)
+            q, r = split16(xn[j] * inv)
             dst = xqe if j % 2 == 0 else xqo
             dst[j // 2] = np.int8(np.int32(q))
             dst[half + j // 2] = np.int8(np.int32(r))

@@ -46,10 +46,11 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .affine import bias_at
-from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide
-from .llvm import as_f32, f32_to_i8, rint_f32
-from .panel_avx2 import make_avx2_panel_tile, panel_args, panel_args_ok
-from .simd import I64, V16F, declare, splat
+from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide, split16
+from .llvm import as_f32
+from .panel_avx2 import make_avx2_panel_tile
+from .panel_ir import UnitLoop, panel_args, panel_args_ok, scaled_unit
+from .simd import I64, V16F, splat
 
 PANEL_ROWS = 16  # rows per panel: one int32 lane each
 # tokens per kernel call: 8 int32 + 8 float accumulators, 16 of the 32 zmm (6, 8, 10 and 12 tokens
@@ -58,7 +59,6 @@ PANEL_TOKENS = 8
 # natural elements per int8 activation scale in the prefill (llama.cpp's Q8_0 block); decode keeps
 # int8dot.ACT_BLOCK. Perplexity of each: BENCHMARKS.md
 PREFILL_ACT_BLOCK = 32
-_I32 = ir.IntType(32)
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -95,9 +95,7 @@ def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TO
 
         def codegen(context, builder, signature, args):
             sa, ba, ta, ua, outa, t0v, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature, args)
-            fma = declare(builder.module, "llvm.fma.v16f32", ir.FunctionType(V16F, [V16F] * 3))
             fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
-            zero = ir.Constant(V16F, [0.0] * 16)
             izero = ir.Constant(V16I, [0] * 16)
 
             def load_vec(ptr, index, vtype, align):
@@ -108,16 +106,8 @@ def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TO
                 v = builder.load(builder.gep(ptr, [index]), align=1)
                 return builder.bitcast(splat(builder, v, V16I), V64B)
 
-            entry = builder.block
-            loop = builder.append_basic_block("panel.loop")
-            done = builder.append_basic_block("panel.done")
-            builder.cbranch(builder.icmp_unsigned(">", n_units, ir.Constant(I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            u = builder.phi(I64)
-            u.add_incoming(ir.Constant(I64, 0), entry)
-            faccs = [builder.phi(V16F) for _ in range(tokens)]
-            for f in faccs:
-                f.add_incoming(zero, entry)
+            units = UnitLoop(builder, n_units, tokens, V16F, "panel")
+            u = units.u
             # reset per unit: the scales apply to a unit's sum; one chain per token and plane (a
             # second chain for the odd weights measured no faster)
             iaccs = [[izero] * tokens for _ in range(planes)]
@@ -134,32 +124,11 @@ def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TO
                         ip = builder.add(idx, ir.Constant(I64, p)) if p else idx
                         iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], lo, bcast_i32(xe32, ip))
                         iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], hi, bcast_i32(xo32, ip))
-            if planes == 1:
-                isums = iaccs[0]
-            else:  # |hi sum| <= 15 * 128 * unit (< 2^18 for units of 128): shifted by 8 it fits in int32
-                eight = ir.Constant(V16I, [8] * 16)
-                isums = [builder.add(builder.shl(h, eight), low) for h, low in zip(iaccs[0], iaccs[1])]
             g = builder.udiv(u, ir.Constant(I64, units_per_group)) if units_per_group > 1 else u
             ws = load_vec(sa.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
             wb = load_vec(ba.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
             p0 = builder.add(builder.mul(u, tp), t0v)
-            new = []
-            for j in range(tokens):
-                p = builder.add(p0, ir.Constant(I64, j))
-                tsv = splat(builder, builder.load(builder.gep(ta.data, [p])), V16F)
-                smv = splat(builder, builder.load(builder.gep(ua.data, [p])), V16F)
-                acc = builder.call(fma, [builder.sitofp(isums[j], V16F), builder.fmul(ws, tsv), faccs[j]])
-                new.append(builder.call(fma, [wb, smv, acc]))
-            nxt = builder.add(u, ir.Constant(I64, 1))
-            u.add_incoming(nxt, builder.block)
-            for f, n in zip(faccs, new):
-                f.add_incoming(n, builder.block)
-            builder.cbranch(builder.icmp_unsigned("<", nxt, n_units), loop, done)
-            builder.position_at_end(done)
-            finals = [builder.phi(V16F) for _ in range(tokens)]
-            for j, final in enumerate(finals):
-                final.add_incoming(zero, entry)
-                final.add_incoming(new[j], loop)
+            finals = units.close(scaled_unit(builder, iaccs, ws, wb, ta, ua, p0, units.faccs))
             for j, final in enumerate(finals):
                 dst = builder.gep(outa.data, [ir.Constant(I64, 16 * j)])
                 builder.store(final, builder.bitcast(dst, V16F.as_pointer()), align=4)
@@ -344,11 +313,11 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
     the int8 remainder at [s, t, 4 + c] (nearest: |error| <= scale / 512), ts the scale / 256.
     Tokens T .. Tp - 1 untouched.
 
-    Each token's values are rounded into contiguous rows first (llvm.rint, converted straight to
-    int8), then moved into the step-major layout a dword (4 elements) at a time, not element by
-    element. On SmolLM2 this function was ~14% of a fast prefill on a Zen 2 (perf); one thread,
-    576 x 128 tokens: 0.21 -> 0.18 ms, 11008 x 256 on two planes: 13.4 -> 11.1 ms. What is left
-    is the short per-block loops (16 elements a half)."""
+    Each token's values are rounded into contiguous rows first (split16 on two planes), then
+    moved into the step-major layout a dword (4 elements) at a time, not element by element. On
+    SmolLM2 this function was ~14% of a fast prefill on a Zen 2 (perf); one thread, 576 x 128
+    tokens: 0.21 -> 0.18 ms, 11008 x 256 on two planes: 13.4 -> 11.1 ms. What is left is the
+    short per-block loops (16 elements a half)."""
     T, K = xp.shape
     half = K // 2
     hb = block // 2
@@ -369,16 +338,12 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
             for h in range(2):
                 for j in range(b * hb, (b + 1) * hb):
                     v = xp[t, h * half + j] * inv
-                    q = rint_f32(v)
                     if two:
-                        r = rint_f32((v - q) * np.float32(256.0))
-                        # a remainder that rounds to 128 (|v - q| ~ 1/2) carries into v, as -128
-                        # (then q <= 126: v <= 127)
-                        carry = np.float32(1.0) if r > np.float32(127.0) else np.float32(0.0)
-                        q += carry
-                        r -= np.float32(256.0) * carry
-                        rows[2 + h, j] = f32_to_i8(r)
-                    rows[h, j] = f32_to_i8(q)
+                        q, r = split16(v)
+                        rows[2 + h, j] = np.int8(np.int32(r))
+                    else:
+                        q = np.rint(v)
+                    rows[h, j] = np.int8(np.int32(q))
         for w in range(half // 4):
             e32[w, t, 0] = words[0, w]
             o32[w, t, 0] = words[1, w]

@@ -56,32 +56,6 @@ def byte_to_f32(typingctx, b):
 
 
 @intrinsic
-def rint_f32(typingctx, v):
-    """A float32 rounded to the nearest integer, ties to even (np.rint), as llvm.rint: numba's
-    np.rint is a call the vectoriser cannot widen."""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        fn = builder.module.declare_intrinsic("llvm.rint", [F32])
-        return builder.call(fn, [args[0]])
-
-    return types.float32(types.float32), codegen
-
-
-@intrinsic
-def f32_to_i8(typingctx, v):
-    """int8 of an integral float32 in [-128, 127], converted without widening to 64 bits."""
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.fptosi(args[0], I8)
-
-    return types.int8(types.float32), codegen
-
-
-@intrinsic
 def half_bits_to_f32(typingctx, h):
     """The float32 value of IEEE half-precision bits held in a uint16 (numba has no float16)."""
     if h != types.uint16:

@@ -27,7 +27,8 @@ from numba import types
 from numba.extending import intrinsic
 
 from .llvm import F32, I8
-from .simd import I64, declare, is_c_array, splat
+from .panel_ir import UnitLoop, panel_args, panel_args_ok, scaled_unit
+from .simd import I64, declare, splat
 
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -37,25 +38,6 @@ V8I = ir.VectorType(_I32, 8)
 V8F = ir.VectorType(F32, 8)
 HALF_ROWS = 8  # rows per pass: one ymm of int32 lanes
 INT16_STEPS = 4  # dword steps whose int16 pair sums cannot overflow (see above)
-
-
-def panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out) -> bool:
-    """The argument types every panel tile takes (int8panel.make_panel_tile's contract)."""
-    return (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
-            and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
-            and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
-            and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1))
-
-
-def panel_args(context, builder, signature, args) -> tuple:
-    """What a panel tile's codegen reads of its arguments: the scale, bias, token-scale, token-sum
-    and output arrays, t0, the units (K / unit) and token rows Tp, and the panel and the two
-    activation planes as int32 pointers (one dword: 4 weights' bytes or 4 activations)."""
-    pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
-                                        for i in (0, 1, 2, 3, 4, 5, 6, 8))
-    i32p = _I32.as_pointer()
-    return (sa, ba, ta, ua, outa, args[7], builder.extract_value(ta.shape, 0), builder.extract_value(ta.shape, 1),
-            builder.bitcast(pa.data, i32p), builder.bitcast(ea.data, i32p), builder.bitcast(oa.data, i32p))
 
 
 def token_group(planes: int) -> int:
@@ -84,10 +66,9 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
             mod = builder.module
             maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(V16S, [V32B, V32B]))
             maddwd = declare(mod, "llvm.x86.avx2.pmadd.wd", ir.FunctionType(V8I, [V16S, V16S]))
-            fma = declare(mod, "llvm.fma.v8f32", ir.FunctionType(V8F, [V8F] * 3))
             fifteen, four = ir.Constant(V32B, [15] * 32), ir.Constant(V32B, [4] * 32)
             ones = ir.Constant(V16S, [1] * 16)
-            zero, szero, izero = ir.Constant(V8F, [0.0] * 8), ir.Constant(V16S, [0] * 16), ir.Constant(V8I, [0] * 8)
+            szero, izero = ir.Constant(V16S, [0] * 16), ir.Constant(V8I, [0] * 8)
 
             def c(v):
                 return ir.Constant(I64, v)
@@ -102,16 +83,8 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
 
             def one_pass(half: int, tok: int) -> None:
                 """Rows 8 half .. 8 half + 7 times tokens t0 + tok .. + group - 1, over all units."""
-                entry = builder.block
-                loop = builder.append_basic_block("panel2.loop")
-                done = builder.append_basic_block("panel2.done")
-                builder.cbranch(builder.icmp_unsigned(">", n_units, c(0)), loop, done)
-                builder.position_at_end(loop)
-                u = builder.phi(I64)
-                u.add_incoming(c(0), entry)
-                faccs = [builder.phi(V8F) for _ in range(group)]
-                for f in faccs:
-                    f.add_incoming(zero, entry)
+                units = UnitLoop(builder, n_units, group, V8F, "panel2")
+                u = units.u
                 wide = [[izero] * group for _ in range(planes)]  # int32 sums of a unit's earlier steps
                 short = [[szero] * group for _ in range(planes)]  # int16 sums of the current 4 steps
                 first_token = builder.add(t0v, c(tok))
@@ -133,32 +106,11 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
                                 pair = builder.call(maddwd, [short[p][j], ones])
                                 wide[p][j] = pair if wide[p][j] is izero else builder.add(wide[p][j], pair)
                                 short[p][j] = szero
-                if planes == 1:
-                    isums = wide[0]
-                else:  # as the VNNI tile: (hi << 8) + lo, inside int32
-                    eight = ir.Constant(V8I, [8] * 8)
-                    isums = [builder.add(builder.shl(h, eight), lo) for h, lo in zip(wide[0], wide[1])]
                 g = builder.udiv(u, c(units_per_group)) if units_per_group > 1 else u
                 prow = builder.add(builder.mul(g, c(16)), c(HALF_ROWS * half))
                 ws, wb = load8(sa.data, prow, V8F), load8(ba.data, prow, V8F)
                 p0 = builder.add(builder.mul(u, tp), first_token)
-                new = []
-                for j in range(group):
-                    p = builder.add(p0, c(j))
-                    tsv = splat(builder, builder.load(builder.gep(ta.data, [p])), V8F)
-                    smv = splat(builder, builder.load(builder.gep(ua.data, [p])), V8F)
-                    acc = builder.call(fma, [builder.sitofp(isums[j], V8F), builder.fmul(ws, tsv), faccs[j]])
-                    new.append(builder.call(fma, [wb, smv, acc]))
-                nxt = builder.add(u, c(1))
-                u.add_incoming(nxt, builder.block)
-                for f, n in zip(faccs, new):
-                    f.add_incoming(n, builder.block)
-                builder.cbranch(builder.icmp_unsigned("<", nxt, n_units), loop, done)
-                builder.position_at_end(done)
-                finals = [builder.phi(V8F) for _ in range(group)]
-                for j, final in enumerate(finals):
-                    final.add_incoming(zero, entry)
-                    final.add_incoming(new[j], loop)
+                finals = units.close(scaled_unit(builder, wide, ws, wb, ta, ua, p0, units.faccs))
                 for j, final in enumerate(finals):
                     dst = builder.gep(outa.data, [c(16 * (tok + j) + HALF_ROWS * half)])
                     builder.store(final, builder.bitcast(dst, V8F.as_pointer()), align=4)
