@@ -17,7 +17,7 @@ from numba import njit  # noqa: E402
 
 from chatapp.kernels import int8dot  # noqa: E402
 from chatapp.kernels.int8dot import detect_isa, make_rows_i8, quantise_lanes, quantise_lanes_wide  # noqa: E402
-from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: E402
+from tests.q4_weights import quantized, runnable_isas  # noqa: E402
 
 # int8 per block: each activation carries at most scale/2 = max|x|/254 of rounding, so against
 # the float product a row is off by ~1% of its magnitude at most; we allow 3% of the largest output
@@ -53,9 +53,10 @@ def _lanes(x, block):
 @given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), chunks=st.integers(1, 6),
        half=st.booleans(), block=st.sampled_from([8, 16, 32]), spread=st.sampled_from([1.0, 30.0]))
 def test_int8_rows_match_dequantize_then_matmul(seed, gs, chunks, half, block, spread):
-    """Every ISA this CPU runs: rows of mx.dequantize(w) @ x within the int8 rounding's bound, and the
-    same integers the model of the kernel sums (xq * scale for x in the scaled part, the exact
-    x in the biases' part) to float rounding; K % 128 = 64 (a half step) included."""
+    """Every ISA this CPU runs: rows of mx.dequantize(w) @ x within the int8 rounding's bound, and
+    to float rounding the model of the kernel's sums: the dequantised weights, biases included,
+    times the quantised x (the biases' share from the lane sums as quantised, so the error is
+    sum w e over the roundings e, bounded by |w|); K % 128 = 64 (a half step) included."""
     k = 64 * chunks if gs != 128 else 128 * chunks
     packed, s, b, deq = quantized(seed, 4, k, gs, half)
     rng = np.random.default_rng(seed)
@@ -64,11 +65,10 @@ def test_int8_rows_match_dequantize_then_matmul(seed, gs, chunks, half, block, s
     x8 = np.empty(k, np.float32)
     x8[0::2], x8[1::2] = xq[0], xq[1]
     x8 *= np.repeat(xq[2], 8)
-    scaled = dequant(packed, s, np.zeros_like(s), gs)
-    model = scaled @ x8 + np.repeat(as_f32(b), gs, 1) @ x
+    model = deq @ x8
     exact = deq @ x
     # each activation is off by at most half its block's step: the rounding's worst case
-    bound = np.abs(scaled) @ (np.repeat(xq[2], 8) / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    bound = np.abs(deq) @ (np.repeat(xq[2], 8) / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     for isa in runnable_isas():
         out = np.empty(4, np.float32)
         _kernel(isa, gs)(packed, *xq, s, b, out)
@@ -96,10 +96,9 @@ def test_16bit_rows_match_their_integers_and_are_about_256_times_finer(seed, gs,
     x16[1::2] = xq[1][:h] * 256.0 + xq[1][h:]
     step = np.repeat(xq[2], 8).astype(np.float64)  # the block's scale / 256
     assert np.all(np.abs(x16 * step - x) <= step / 2 * 1.001 + np.abs(x) * 2.0**-20 + 1e-30)
-    scaled = dequant(packed, s, np.zeros_like(s), gs).astype(np.float64)
-    model = scaled @ (x16 * step) + np.repeat(as_f32(b), gs, 1) @ x
+    model = deq.astype(np.float64) @ (x16 * step)
     exact = deq @ x
-    bound = np.abs(scaled) @ (step / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    bound = np.abs(deq) @ (step / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     for isa in runnable_isas():
         out = np.empty(4, np.float32)
         _kernel(isa, gs, 2)(packed, *xq, s, b, out)
@@ -119,7 +118,8 @@ def test_quantise_lanes_rounds_within_half_a_step(seed, block, blocks):
     step = np.repeat(ls, 8)
     assert np.all(np.abs(xq * step - x) <= step / 2 * 1.001 + 1e-30)
     assert np.all(step.reshape(-1, block) == step.reshape(-1, block)[:, :1])  # one scale per block
-    np.testing.assert_allclose(sums, x.reshape(-1, 8).sum(1), rtol=1e-5, atol=1e-5)
+    # the lane sums are of the values as quantised, not as given (int8dot._lane_sums)
+    np.testing.assert_allclose(sums, (xq * step).reshape(-1, 8).sum(1), rtol=1e-6, atol=1e-6 * np.abs(x).max())
     assert np.abs(xq).max() <= 127
 
 
@@ -207,6 +207,5 @@ def test_prefetching_rows_are_the_plain_rows_bit_for_bit(seed, gs, chunks, half,
     np.testing.assert_array_equal(out_pf, out_plain)
     exact = deq @ x
     # each activation is off by at most half its block's step (as in the test above)
-    scaled = dequant(packed, s, np.zeros_like(s), gs)
-    bound = np.abs(scaled) @ (np.repeat(xq[2], 8) / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    bound = np.abs(deq) @ (np.repeat(xq[2], 8) / 2) * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     assert np.all(np.abs(out_pf - exact) <= bound)

@@ -26,7 +26,7 @@ from chatapp.kernels.int8panel import (  # noqa: E402
     q4_panel_tile,
     quantise_panel_tokens,
 )
-from tests.q4_weights import as_f32, dequant, quantized, runnable_isas  # noqa: E402
+from tests.q4_weights import quantized, runnable_isas  # noqa: E402
 
 _RUNNERS: dict = {}
 
@@ -102,8 +102,8 @@ def _natural(xq, T, K, unit):
        spread=st.sampled_from([1.0, 30.0]), planes=st.sampled_from([1, 2]))
 def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread, planes):
     """Every ISA this CPU runs: mx.dequantize(w) @ x within the int8 (or 16-bit) rounding's
-    bound, and the integer sums the kernel models (the quantised x times its scale in the scaled
-    part, the float x in the biases' part) to float rounding."""
+    bound, and to float rounding the model of the kernel's sums: the quantised x times the
+    dequantised weights, biases included (the biases' share from the unit sums as quantised)."""
     k = max(gs, block) * groups
     unit = panel_unit(block, gs)
     packed, s, b, deq = quantized(seed, n, k, gs, half)
@@ -116,10 +116,9 @@ def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, bloc
     assert np.all(np.abs(q * step - x) <= step / 2 * 1.001 + np.abs(x) * 2.0**-20 + 1e-30)
     assert np.all(np.abs(q) <= 127 * 256 ** (planes - 1) + 127 * (planes - 1))
     assert np.all(step.reshape(T, -1, block) == step.reshape(T, -1, block)[:, :, :1])
-    scaled = dequant(packed, s, np.zeros_like(s), gs).astype(np.float64)
-    model = (q * step) @ scaled.T + x @ np.repeat(as_f32(b), gs, 1).T
+    model = (q * step) @ deq.astype(np.float64).T
     exact = x @ deq.T
-    bound = (step / 2) @ np.abs(scaled).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
+    bound = (step / 2) @ np.abs(deq).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     for isa in runnable_isas():
         got = np.full((T, n), np.nan, np.float32)
         _runner(isa, unit, gs, planes)(packed, s, b, xq, T, got)

@@ -38,6 +38,10 @@ from .qlinear import last_position_wanted
 
 # model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
 FUSED_MODEL_TYPES = ("llama", "mistral")
+# where numerics fast runs down_proj (FusedDecoder.set_fast's decode_down / prefill_down), each
+# choice with its words for --show-config; the default, int8 like the other products
+DOWN_CHOICES = {"int8": "on int8 too", "wide": "on 16-bit activations", "exact": "exact"}
+FAST_DOWN_DEFAULT = "int8"
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -244,34 +248,31 @@ class FusedDecoder:
         weights, kernels/affine.py): what a decoded token reads less than the modules hold."""
         return sum(s.nbytes for layer in self.layers for _, s, b in layer.weights if b.shape[1] == 0)
 
-    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, down_exact: bool = True,
-                 prefill_block: int = 0, prefill_down: str = "wide", decode_down: str = "exact") -> None:
+    def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, prefill_block: int = 0,
+                 decode_down: str = FAST_DOWN_DEFAULT, prefill_down: str = FAST_DOWN_DEFAULT) -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
-        with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them.
-        SmolLM2, 512 tokens of a text teacher-forced, blocks of 32: perplexity +1.17% with every
-        layer on int8, +0.41% with the last exact (first exact +0.65%, first and last +0.71%,
-        down_proj exact everywhere +1.52%); blocks of 16 and 8: BENCHMARKS.md. ``down_exact``
-        keeps down_proj on float32 activations (its input, silu(gate) x up, has the widest range):
-        blocks of 8 on 3,072-token texts, perplexity +0.82% / +0.18% with it on int8, +0.40% / -0.02%
-        with it exact, at the same decode speed (BENCHMARKS.md). ``prefill_block``: the elements
-        per int8 scale of the prefill's products (kernels/int8panel.py; 0: its PREFILL_ACT_BLOCK),
-        which may be coarser than the decode's: the panel kernel scales once per block (or group).
-        ``prefill_down``: where ``down_exact`` keeps down_proj exact in decode, the prefill's down_proj
-        on ``wide`` 16-bit activations (``prefill_mask`` gets prefill_step's PREFILL_DOWN_WIDE), on
-        ``int8`` ones or ``exact`` (SmolLM2 after a 1,024-token chunk, each: BENCHMARKS.md).
-        ``decode_down``: the decode step's down_proj where ``down_exact``: ``exact`` (float32
-        activations, the default) or ``wide`` (decode_step's FAST_DOWN_WIDE). On the Zen 2 without
-        VNNI, wide decoded SmolLM2 6-8% faster; its perplexity against exact down_proj moved by
-        -0.3% to +0.43% on KJV texts of 300-3,072 tokens, the size of the int8 products' rounding
-        flips elsewhere, so it is not the default until a longer measurement says which way it
-        goes (BENCHMARKS.md, stop 30)."""
+        with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them, and
+        ``last_exact`` keeping the last layer on float32 activations. ``prefill_block``: the
+        elements per int8 scale of the prefill's products (kernels/int8panel.py; 0: its
+        PREFILL_ACT_BLOCK), which may be coarser than the decode's: the panel kernel scales once
+        per block (or group). ``decode_down`` / ``prefill_down``: down_proj, whose input silu(gate)
+        x up has the widest range, on ``int8`` activations like the rest, on ``wide`` 16-bit ones
+        (decode_step.FAST_DOWN_WIDE, prefill_step.PREFILL_DOWN_WIDE: ~1/256 of int8's rounding at
+        about twice its integer work) or ``exact`` float32 ones.
+
+        Until stop 31 the kernels added each bias times the float sum of its activations, while
+        the scales multiplied the quantised ones, so a product's error weighed each rounding with
+        the unsigned nibble (0..15) rather than the weight; down_proj on int8 then cost SmolLM2
+        +0.82% perplexity on 3,072 tokens of the KJV text and had to stay exact. With the sums as
+        quantised (int8dot._lane_sums) every product on int8 costs +0.05% there and -0.01% on
+        ../shared/docs/architecture.md, against exact, and decodes ~20% faster than down_proj
+        exact (BENCHMARKS.md, stop 31)."""
         from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN, FAST_DOWN_WIDE
         from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
-        if prefill_down not in ("wide", "int8", "exact"):
-            raise ValueError(f"prefill_down must be wide, int8 or exact, not {prefill_down!r}")
-        if decode_down not in ("wide", "exact"):
-            raise ValueError(f"decode_down must be wide or exact, not {decode_down!r}")
+        for name, value in (("decode_down", decode_down), ("prefill_down", prefill_down)):
+            if value not in DOWN_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(DOWN_CHOICES)}, not {value!r}")
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
@@ -280,15 +281,15 @@ class FusedDecoder:
         self.prefill_block = prefill_block
         n = len(self.layers)
         self.fast = fast
-        products = FAST_ALL & ~FAST_DOWN if down_exact else FAST_ALL
-        if down_exact and decode_down == "wide":
-            products |= FAST_DOWN_WIDE
-        self.fast_mask = np.full(n, (products | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
+        others = FAST_ALL & ~FAST_DOWN
+        decode = others | {"int8": FAST_DOWN, "wide": FAST_DOWN_WIDE, "exact": 0}[decode_down]
+        self.fast_mask = np.full(n, (decode | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
-        # the prefill's mask: the same products, and in the layers with int8 ones down_proj as asked
-        down = {"wide": PREFILL_DOWN_WIDE, "int8": FAST_DOWN, "exact": 0}[prefill_down] if down_exact else 0
-        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask & ~FAST_DOWN_WIDE | down, 0).astype(np.int64)
+        # the prefill's mask: the same products and block in the layers with int8 ones, down_proj as asked
+        down = {"int8": FAST_DOWN, "wide": PREFILL_DOWN_WIDE, "exact": 0}[prefill_down]
+        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask & ~(FAST_DOWN | FAST_DOWN_WIDE) | down,
+                                     0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
@@ -551,8 +552,7 @@ def numerics_line(numerics: str) -> str:
     from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
 
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
-            f"{ISA_NAMES[ISA]}; "
-            "down_proj on 16-bit activations in prefill, exact in decode; the last layer exact)")
+            f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact)")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact",

@@ -40,17 +40,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more fast prefill rows, e.g. '8,64': elements per int8 activation scale in the "
                    "prefill's products (kernels/int8panel.py; default: none, only its PREFILL_ACT_BLOCK)")
     p.add_argument("--prefill-down", default="",
-                   help="more fast prefill rows, e.g. 'exact,int8': the prefill's down_proj exact or on int8 "
-                   "activations instead of 16-bit ones (default: none)")
+                   help="more fast prefill rows, e.g. 'exact,wide': the prefill's down_proj exact or on 16-bit "
+                   "activations instead of int8 ones (default: none)")
     p.add_argument("--kv-dtype-rows", default="",
                    help="more exact rows with the fused routes' K/V in these dtypes, e.g. 'float32' "
                    "(the models run cpu.kv_dtype auto: float16 where the CPU has F16C; default: none)")
     p.add_argument("--decode-down", default="",
                    help="more fast rows with the decode step's down_proj on these: 'wide' (16-bit "
-                   "activations) or 'exact' (float32, what fast runs) (default: none)")
+                   "activations), 'exact' (float32) or 'int8' (what fast runs) (default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
-                   "elements per int8 scale, '-all' with the last layer and down_proj on int8 too (default: none)")
+                   "elements per int8 scale, '-all' with the last layer on int8 too (default: none)")
 
 
 def _variants(spec: str) -> list[tuple[str, int, bool]]:
@@ -136,9 +136,15 @@ def run(args) -> int:
     import numpy as np
 
     from chatapp.backend.cpu import apply_fast_path
+    from chatapp.backend.fused_decode import DOWN_CHOICES
     from chatapp.bench.common import loadavg
 
     variants = _variants(args.variants)
+    decode_downs = [d.strip() for d in args.decode_down.split(",") if d.strip()]
+    downs = [d.strip() for d in args.prefill_down.split(",") if d.strip()]
+    if any(d not in DOWN_CHOICES for d in decode_downs + downs):
+        raise SystemExit(f"--decode-down / --prefill-down: {args.decode_down!r} / {args.prefill_down!r} "
+                         f"are not lists of {'|'.join(DOWN_CHOICES)}")
     load_start = loadavg()
     models = {}
     for numerics in ("exact", "fast"):
@@ -152,11 +158,8 @@ def run(args) -> int:
 
     dec = fused_decoder(models["fast"])
     for name, block, last_exact in variants:
-        dec.set_fast(True, block, last_exact, down_exact=last_exact)
+        dec.set_fast(True, block, last_exact)
         logits[name] = _teacher_forced(models["fast"], ids)
-    decode_downs = [d.strip() for d in args.decode_down.split(",") if d.strip()]
-    if any(d not in ("exact", "wide") for d in decode_downs):
-        raise SystemExit(f"--decode-down: {args.decode_down!r} is not a list of exact|wide")
     for d in decode_downs:
         dec.set_fast(True, decode_down=d)
         logits[f"fast, decode down {d}"] = _teacher_forced(models["fast"], ids)
@@ -174,9 +177,6 @@ def run(args) -> int:
     agree = {n: sum(int(a.argmax() == b.argmax()) for a, b in zip(lg, ex)) / len(ex) for n, lg in logits.items()}
     pre = {}
     blocks = [int(b) for b in args.prefill_blocks.split(",") if b.strip()]
-    downs = [d.strip() for d in args.prefill_down.split(",") if d.strip()]
-    if any(d not in ("exact", "int8", "wide") for d in downs):
-        raise SystemExit(f"--prefill-down: {args.prefill_down!r} is not a list of exact|int8|wide")
     if 0 < args.prefill < len(ids) - 1:
         pre = {n: _prefilled(models[n], ids, args.prefill) for n in ("exact", "fast")}
         for kv in kv_rows:

@@ -12,10 +12,11 @@ Layout: byte j of a row holds weights 2j (low nibble) and 2j+1 (high nibble), so
 is split into even (``xqe``) and odd (``xqo``) int8 vectors in the same byte order; int32 lane i
 of a 64-byte step then sums bytes 4i..4i+3, i.e. weights 8i..8i+7 of the step. Everything the
 kernel needs per lane is precomputed per lane of 8 weights (K/8 floats each): the activation
-scale of the lane's block (so blocks of 8, 16 or 32 cost the kernel the same) and the float sum
-of the lane's activations, which times the row's bias gives the bias's share exactly as the
-float route does. The row's scales and biases of a step are one vector load each (4, 2 or 1 of
-them: the group size is fixed per compiled kernel), broadcast to the lanes by a shuffle.
+scale of the lane's block (so blocks of 8, 16 or 32 cost the kernel the same) and the sum of
+the lane's activations as quantised, which times the row's bias gives the bias's share of the
+same quantised activations (``_lane_sums`` says why not the float sum). The row's scales and
+biases of a step are one vector load each (4, 2 or 1 of them: the group size is fixed per
+compiled kernel), broadcast to the lanes by a shuffle.
 
 The instruction is picked from the CPU this process runs on (``detect_isa``, never assumed):
 AVX-512 VNNI (512-bit ``vpdpbusd``), AVX-VNNI or AVX-512 VNNI with VL (256-bit, two per step),
@@ -176,8 +177,8 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
 
-    over lanes l of 8 weights (ls: the activation scale of the lane's block, xs: the float sum of
-    the lane's 8 activations; quantise_lanes writes both). 64 packed bytes (128 weights) per step:
+    over lanes l of 8 weights (ls: the activation scale of the lane's block, xs: the sum of
+    the lane's 8 activations as quantised; quantise_lanes writes both). 64 packed bytes (128 weights) per step:
     an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
     per row; the row scales/biases of the step are one vector load each. A row of K % 128 = 64
     ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead (and
@@ -306,20 +307,30 @@ def _block_scale(xn, b, block):  # pragma: no cover - jitted
     return m / np.float32(127.0), np.float32(127.0) / m if m > 0 else np.float32(0.0)
 
 
-@njit(fastmath=True, nogil=True, cache=True, inline="always")
-def _lane_sums(xn, lane_sums):  # pragma: no cover - jitted
-    """lane_sums[l] = the float sum of xn's elements 8 l .. 8 l + 7."""
-    for lane in range(xn.shape[0] // 8):
-        acc = np.float32(0.0)
-        for j in range(8 * lane, 8 * lane + 8):
-            acc += xn[j]
-        lane_sums[lane] = acc
+@njit(nogil=True, cache=True, inline="always")
+def _lane_sums(xqe, xqo, lane_scales, lane_sums, wide):  # pragma: no cover - jitted
+    """lane_sums[l] = the sum of lane l's 8 elements as quantised (lane scale x their integer sum),
+    not as given. The kernels add bias x lane sum to scale x the nibbles' integer dot, so with the
+    quantised sum a product's error is sum (scale q + bias) e = sum w e over the activations'
+    rounding errors e: the weights' own, centred near zero. With the float sum it was sum scale q e,
+    q in 0..15 around 8: several times the variance (llama.cpp's Q8_1 keeps the quantised sum for
+    the same reason). Wide (16-bit, two planes): the values are 256 v + r, the scales a 256th."""
+    half = xqe.shape[0] // 2
+    for lane in range(lane_sums.shape[0]):
+        acc = np.int32(0)
+        for i in range(4 * lane, 4 * lane + 4):
+            if wide:
+                acc += (np.int32(xqe[i]) + np.int32(xqo[i])) * np.int32(256) + np.int32(xqe[half + i]) \
+                    + np.int32(xqo[half + i])
+            else:
+                acc += np.int32(xqe[i]) + np.int32(xqo[i])
+        lane_sums[lane] = lane_scales[lane] * np.float32(acc)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
     """xn [K] (K a multiple of 64) -> int8 even/odd halves [K/2], and per lane of 8 elements
-    the activation scale of its block [K/8] and the float sum of its 8 elements [K/8]. block
+    the activation scale of its block [K/8] and the sum of its 8 elements as quantised [K/8] (_lane_sums). block
     (8, 16 or 32 elements per scale, max|x| / 127, rounded to nearest)."""
     K = xn.shape[0]
     for b in range(K // block):
@@ -329,7 +340,7 @@ def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no c
             xqo[j // 2] = np.int8(np.int32(np.rint(xn[j + 1] * inv)))
         for lane in range(b * block // 8, (b + 1) * block // 8):
             lane_scales[lane] = s
-    _lane_sums(xn, lane_sums)
+    _lane_sums(xqe, xqo, lane_scales, lane_sums, False)
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -361,7 +372,7 @@ def quantise_lanes_wide(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma:
             dst[half + j // 2] = np.int8(np.int32(r))
         for lane in range(b * block // 8, (b + 1) * block // 8):
             lane_scales[lane] = s / np.float32(256.0)
-    _lane_sums(xn, lane_sums)
+    _lane_sums(xqe, xqo, lane_scales, lane_sums, True)
 
 
 ISA = detect_isa()

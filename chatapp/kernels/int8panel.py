@@ -11,14 +11,14 @@ activations of those positions are broadcast to a ``vpdpbusd`` against all 16 ro
 accumulators (one vector per token: 16 rows) run over a whole scale *unit* (``unit`` natural
 elements: the activation block, at most the weight group), and only then is each converted and
 scaled: one conversion, one multiply (row scales x token scale), one FMA, and one more FMA for the
-bias (row biases x the token's float sum over the unit, as the float route adds it). With units
+bias (row biases x the token's sum over the unit as quantised: int8dot._lane_sums says why). With units
 of 32 that is 8 ``vpdpbusd`` per 4 float operations, 16 with units of 64; no horizontal sums, and
 each result vector is 16 consecutive outputs of a token.
 
 Activations (``quantise_panel_tokens``): from prefill_step's de-interleaved rows (even elements,
 then odd), int8 per ``block`` natural elements (max|x| / 127, nearest), stored step-major
 ``[K/8, Tp, 4]`` so a token block's broadcasts are consecutive dwords, and per unit and token the
-scale and the float sum ``[K/unit, Tp]``. Tokens past T are zero (their results are not read).
+scale and the unit's sum as quantised ``[K/unit, Tp]``. Tokens past T are zero (their results are not read).
 
 16-bit activations (``planes`` 2, for down_proj, whose input silu(gate) x up has the widest
 range: on int8 it cost SmolLM2 +0.56-0.62% perplexity): each value is split as ``hi + lo / 256``,
@@ -308,9 +308,10 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
     """xp [T, K] de-interleaved (even elements, then odd) -> xe/xo int8 [K/8, Tp, 4 * planes]
     (element 4s + c of the even / odd half of token t at [s, t, c]) quantised per ``block``
     natural elements (max|x| / 127, nearest), and per unit of ``unit`` natural elements and token
-    the block's scale ts and the unit's float sum tsum [K/unit, Tp]. Two planes (xe.shape[2] 8):
-    16-bit activations, x / scale ~ v + r / 256 with v the int8 value above at [s, t, c] and r
-    the int8 remainder at [s, t, 4 + c] (nearest: |error| <= scale / 512), ts the scale / 256.
+    the block's scale ts and the unit's sum as quantised tsum [K/unit, Tp] (ts x its integer
+    sum). Two planes (xe.shape[2] 8): 16-bit activations, x / scale ~ v + r / 256 with v the
+    int8 value above at [s, t, c] and r the int8 remainder at [s, t, 4 + c] (nearest: |error| <=
+    scale / 512), ts the scale / 256.
     Tokens T .. Tp - 1 untouched.
 
     Each token's values are rounded into contiguous rows first (split16 on two planes), then
@@ -350,8 +351,11 @@ def quantise_panel_tokens(xp, block, unit, xe, xo, ts, tsum):  # pragma: no cove
             if two:
                 e32[w, t, 1] = words[2, w]
                 o32[w, t, 1] = words[3, w]
-        for u in range(K // unit):
-            acc = np.float32(0.0)
+        for u in range(K // unit):  # the unit's sum as quantised (int8dot._lane_sums says why)
+            acc = np.int32(0)
             for j in range(u * hu, (u + 1) * hu):
-                acc += xp[t, j] + xp[t, half + j]
-            tsum[u, t] = acc
+                v = np.int32(rows[0, j]) + np.int32(rows[1, j])
+                if two:  # 256 v + r, against a scale of a 256th
+                    v = v * np.int32(256) + np.int32(rows[2, j]) + np.int32(rows[3, j])
+                acc += v
+            tsum[u, t] = ts[u, t] * np.float32(acc)

@@ -68,7 +68,7 @@ class UnitLoop:
 
 def scaled_unit(builder: ir.IRBuilder, planes: list, ws, wb, ta, ua, p0, faccs: list) -> list:
     """Each token j's accumulator after a unit: faccs[j] + float(isum) x (row scales ws x token
-    scale) + row biases wb x the token's float sum, the token's scale and sum at ``p0`` + j of ts
+    scale) + row biases wb x the token's sum as quantised, the token's scale and sum at ``p0`` + j of ts
     and tsum. ``planes``: the int32 sums per token of the one plane, or of the high and the low
     plane of 16-bit activations, combined as (hi << 8) + lo (|hi sum| <= 15 x 128 x unit, < 2^18
     for units of 128: shifted by 8 it fits in int32)."""
