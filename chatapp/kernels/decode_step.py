@@ -51,10 +51,10 @@ PHASES = 5
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
 FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
 # down_proj on 16-bit activations (two int8 planes, int8dot.make_rows_i8(planes=2)) where FAST_DOWN
-# is not set: its input silu(gate) x up has the widest range, and on int8 it cost SmolLM2 +0.42% of
-# perplexity on a long text; 16 bits round ~1/256 as coarsely. The prefill sets it by default
-# (prefill_step.PREFILL_DOWN_WIDE, the same bit); the decode only on request
-# (FusedDecoder.set_fast(decode_down="wide"): BENCHMARKS.md, stop 30)
+# is not set, on request (FusedDecoder.set_fast(decode_down="wide"); the prefill's is
+# prefill_step.PREFILL_DOWN_WIDE, the same bit): its input silu(gate) x up has the widest range, and
+# 16 bits round ~1/256 as coarsely. Since the biases' share comes from the quantised activations
+# (int8dot._lane_sums), int8 costs SmolLM2 no measurable perplexity there either (BENCHMARKS.md, stop 31)
 FAST_DOWN_WIDE = 16
 # fast >> FAST_BLOCK_SHIFT: the activation elements per int8 scale (8, 16 or 32; 0: ACT_BLOCK)
 FAST_BLOCK_SHIFT = 8

@@ -45,9 +45,10 @@ from .prefill_attention import chunk_attention
 from .views import rows_of
 
 # a bit of the prefill's ``fast`` beside decode_step's FAST_* (which decode_step does not read):
-# down_proj on 16-bit activations, two int8 planes (int8panel). On int8, its input silu(gate) x up,
-# the widest-ranged, cost SmolLM2 +0.56-0.62% perplexity; on 16 bits ~1/256 of that rounding, at
-# ~0.55x the int8 kernel's speed and ~2.3x the float tile's (BENCHMARKS.md)
+# down_proj on 16-bit activations, two int8 planes (int8panel), on request (set_fast(prefill_down=
+# "wide")): ~1/256 of int8's rounding at ~0.55x the int8 kernel's speed and ~2.3x the float tile's.
+# It was the default until the biases' share came from the quantised activations (stop 31): on int8
+# down_proj had cost SmolLM2 +0.56-0.62% perplexity, now +0.11% after a 1,024-token chunk (BENCHMARKS.md)
 PREFILL_DOWN_WIDE = FAST_DOWN_WIDE
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
 
