@@ -20,8 +20,9 @@ then odd), int8 per ``block`` natural elements (max|x| / 127, nearest), stored s
 ``[K/8, Tp, 4]`` so a token block's broadcasts are consecutive dwords, and per unit and token the
 scale and the unit's sum as quantised ``[K/unit, Tp]``. Tokens past T are zero (their results are not read).
 
-16-bit activations (``planes`` 2, for down_proj, whose input silu(gate) x up has the widest
-range: on int8 it cost SmolLM2 +0.56-0.62% perplexity): each value is split as ``hi + lo / 256``,
+16-bit activations (``planes`` 2, for down_proj on request, whose input silu(gate) x up has the
+widest range; on int8 it had cost SmolLM2 +0.56-0.62% perplexity until the unit sums were of the
+quantised activations, +0.11% since): each value is split as ``hi + lo / 256``,
 both int8 (``hi`` the int8 value above, ``lo`` the rounded remainder), and each plane gets its own
 ``vpdpbusd`` against the same unpacked weight bytes; per unit the two int32 sums are combined as
 ``(hi << 8) + lo`` before the one conversion. That is the MACs of ``vpdpwssd`` (int16 pairs) without
