@@ -281,14 +281,15 @@ class FusedDecoder:
         self.prefill_block = prefill_block
         n = len(self.layers)
         self.fast = fast
-        others = FAST_ALL & ~FAST_DOWN
-        decode = others | {"int8": FAST_DOWN, "wide": FAST_DOWN_WIDE, "exact": 0}[decode_down]
+        assert PREFILL_DOWN_WIDE == FAST_DOWN_WIDE  # one table of down_proj's bits serves both phases
+        down_bits = {"int8": FAST_DOWN, "wide": FAST_DOWN_WIDE, "exact": 0}
+        decode = FAST_ALL & ~FAST_DOWN | down_bits[decode_down]
         self.fast_mask = np.full(n, (decode | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
         # the prefill's mask: the same products and block in the layers with int8 ones, down_proj as asked
-        down = {"int8": FAST_DOWN, "wide": PREFILL_DOWN_WIDE, "exact": 0}[prefill_down]
-        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask & ~(FAST_DOWN | FAST_DOWN_WIDE) | down,
+        self.prefill_mask = np.where(self.fast_mask != 0,
+                                     self.fast_mask & ~(FAST_DOWN | FAST_DOWN_WIDE) | down_bits[prefill_down],
                                      0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:

@@ -177,9 +177,9 @@ def make_rows_i8(isa: str, group_size: int, rows: int = 4, prefetch: int = 0, pr
 
         out[i] = sum_l s[r0+i, g(l)] * ls[l] * (q_l . xq_l) + b[r0+i, g(l)] * xs[l]
 
-    over lanes l of 8 weights (ls: the activation scale of the lane's block, xs: the sum of
-    the lane's 8 activations as quantised; quantise_lanes writes both). 64 packed bytes (128 weights) per step:
-    an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
+    over lanes l of 8 weights (ls: the activation scale of the lane's block, xs: the sum of the
+    lane's 8 activations as quantised; quantise_lanes writes both). 64 packed bytes (128 weights)
+    per step: an AND, a shift, two vpdpbusd (one 512-bit each with AVX-512 VNNI), a conversion and two FMAs
     per row; the row scales/biases of the step are one vector load each. A row of K % 128 = 64
     ends with a half step. ``prefetch`` > 0: ask for each row's bytes that many steps ahead (and
     with ``prefetch_params`` its scales and biases as far ahead, every step). ``symmetric``: the
@@ -330,8 +330,8 @@ def _lane_sums(xqe, xqo, lane_scales, lane_sums, wide):  # pragma: no cover - ji
 @njit(fastmath=True, nogil=True, cache=True)
 def quantise_lanes(xn, block, xqe, xqo, lane_scales, lane_sums):  # pragma: no cover - jitted
     """xn [K] (K a multiple of 64) -> int8 even/odd halves [K/2], and per lane of 8 elements
-    the activation scale of its block [K/8] and the sum of its 8 elements as quantised [K/8] (_lane_sums). block
-    (8, 16 or 32 elements per scale, max|x| / 127, rounded to nearest)."""
+    the activation scale of its block [K/8] and the sum of its 8 elements as quantised [K/8]
+    (_lane_sums). block (8, 16 or 32 elements per scale, max|x| / 127, rounded to nearest)."""
     K = xn.shape[0]
     for b in range(K // block):
         s, inv = _block_scale(xn, b, block)
