@@ -42,6 +42,10 @@ FUSED_MODEL_TYPES = ("llama", "mistral")
 # choice with its words for --show-config; the default, int8 like the other products
 DOWN_CHOICES = {"int8": "on int8 too", "wide": "on 16-bit activations", "exact": "exact"}
 FAST_DOWN_DEFAULT = "int8"
+# the output head under numerics fast (set_fast's ``head``): on int8 activations per
+# int8head.HEAD_ACT_BLOCK (kernels/int8head.py), or float32 ones as exact computes it
+HEAD_CHOICES = {"int8": "on int8", "exact": "exact"}
+FAST_HEAD_DEFAULT = "int8"
 _PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 
@@ -182,6 +186,7 @@ class FusedDecoder:
         head = embed if tied else model["lm_head"]
         self.head_packed = _weights(head) if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) else None
         self.head_dense = None if self.head_packed is not None else np.asarray(head["weight"].astype(mx.float32))
+        self._int8_head = self._make_int8_head()
         self.embed_packed = _weights(embed) if isinstance(embed, nn.QuantizedEmbedding) else None
         dim = inner.layers[0]["input_layernorm"]["weight"].shape[0]
         hidden = pws[4].out_features
@@ -249,7 +254,8 @@ class FusedDecoder:
         return sum(s.nbytes for layer in self.layers for _, s, b in layer.weights if b.shape[1] == 0)
 
     def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, prefill_block: int = 0,
-                 decode_down: str = FAST_DOWN_DEFAULT, prefill_down: str = FAST_DOWN_DEFAULT) -> None:
+                 decode_down: str = FAST_DOWN_DEFAULT, prefill_down: str = FAST_DOWN_DEFAULT,
+                 head: str = FAST_HEAD_DEFAULT) -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them, and
         ``last_exact`` keeping the last layer on float32 activations. ``prefill_block``: the
@@ -258,7 +264,9 @@ class FusedDecoder:
         per block (or group). ``decode_down`` / ``prefill_down``: down_proj, whose input silu(gate)
         x up has the widest range, on ``int8`` activations like the rest, on ``wide`` 16-bit ones
         (decode_step.FAST_DOWN_WIDE, prefill_step.PREFILL_DOWN_WIDE: ~1/256 of int8's rounding at
-        about twice its integer work) or ``exact`` float32 ones.
+        about twice its integer work) or ``exact`` float32 ones. ``head``: the output head on
+        ``int8`` activations (kernels/int8head.py, where its kernels take the head's weight) or
+        ``exact`` float32 ones.
 
         Until stop 31 the kernels added each bias times the float sum of its activations, while
         the scales multiplied the quantised ones, so a product's error weighed each rounding with
@@ -273,12 +281,15 @@ class FusedDecoder:
         for name, value in (("decode_down", decode_down), ("prefill_down", prefill_down)):
             if value not in DOWN_CHOICES:
                 raise ValueError(f"{name} must be one of {', '.join(DOWN_CHOICES)}, not {value!r}")
+        if head not in HEAD_CHOICES:
+            raise ValueError(f"head must be one of {', '.join(HEAD_CHOICES)}, not {head!r}")
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
                 k % prefill_block for k in (self.dim, self.n_heads * self.head_dim, self._act.shape[0])):
             raise ValueError(f"prefill_block must be 8, 16, 32, 64 or 128 dividing the inputs, not {prefill_block}")
         self.prefill_block = prefill_block
+        self.int8_head = fast and head == "int8"
         n = len(self.layers)
         self.fast = fast
         assert PREFILL_DOWN_WIDE == FAST_DOWN_WIDE  # one table of down_proj's bits serves both phases
@@ -362,11 +373,24 @@ class FusedDecoder:
             _, _, self._kv_addr[i, 0], self._kv_addr[i, 1], self._kv_size[i], self._kv_stride[i] = full.pinned
         return n_cached
 
+    def _make_int8_head(self):
+        """The head's product on int8 activations (kernels/int8head.py), or None where its kernels
+        do not take the head (a float head, a bit width they lack)."""
+        from chatapp.kernels.affine import drop_symmetric_biases
+        from chatapp.kernels.int8head import FastHead, unsupported
+
+        pw = self.head_packed
+        if pw is None or unsupported(pw.bits, pw.group_size, pw.in_features, pw.out_features):
+            return None
+        return FastHead(*drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits), pw.bits, pw.group_size)
+
     def _head(self, x: np.ndarray) -> np.ndarray:
         """Logits [vocab] of the final hidden state ``x`` [dim]."""
         from chatapp.kernels.decode_step import rms_norm
 
         xn = rms_norm(x, self.final_norm, self.final_eps)
+        if self.int8_head and self._int8_head is not None:
+            return self._int8_head(xn)
         if self.head_packed is not None:
             from chatapp.kernels.qmatmul import matmul
 
@@ -550,10 +574,12 @@ def numerics_line(numerics: str) -> str:
     if resolve_numerics(numerics) != "fast":
         return "numerics exact (float32 activations)"
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
+    from chatapp.kernels.int8head import HEAD_ACT_BLOCK
     from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
 
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
-            f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact)")
+            f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact; "
+            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK})")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact",

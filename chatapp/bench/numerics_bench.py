@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-down", default="",
                    help="more fast rows with the decode step's down_proj on these: 'wide' (16-bit "
                    "activations), 'exact' (float32) or 'int8' (what fast runs) (default: none)")
+    p.add_argument("--head", default="",
+                   help="more fast rows with the output head on these: 'exact' (float32 activations) or "
+                   "'int8' (what fast runs) (default: none)")
     p.add_argument("--variants", default="",
                    help="more fast variants for the quality rows, e.g. 'b32,b8,b16-all': activation "
                    "elements per int8 scale, '-all' with the last layer on int8 too (default: none)")
@@ -136,7 +139,7 @@ def run(args) -> int:
     import numpy as np
 
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.backend.fused_decode import DOWN_CHOICES
+    from chatapp.backend.fused_decode import DOWN_CHOICES, HEAD_CHOICES
     from chatapp.bench.common import loadavg
 
     variants = _variants(args.variants)
@@ -145,6 +148,9 @@ def run(args) -> int:
     if any(d not in DOWN_CHOICES for d in decode_downs + downs):
         raise SystemExit(f"--decode-down / --prefill-down: {args.decode_down!r} / {args.prefill_down!r} "
                          f"are not lists of {'|'.join(DOWN_CHOICES)}")
+    heads = [h.strip() for h in args.head.split(",") if h.strip()]
+    if any(h not in HEAD_CHOICES for h in heads):
+        raise SystemExit(f"--head: {args.head!r} is not a list of {'|'.join(HEAD_CHOICES)}")
     load_start = loadavg()
     models = {}
     for numerics in ("exact", "fast"):
@@ -163,6 +169,9 @@ def run(args) -> int:
     for d in decode_downs:
         dec.set_fast(True, decode_down=d)
         logits[f"fast, decode down {d}"] = _teacher_forced(models["fast"], ids)
+    for h in heads:
+        dec.set_fast(True, head=h)
+        logits[f"fast, head {h}"] = _teacher_forced(models["fast"], ids)
     dec.set_fast(True)
     kv_rows = [d.strip() for d in args.kv_dtype_rows.split(",") if d.strip()]
     dec_exact = fused_decoder(models["exact"])
