@@ -21,7 +21,8 @@ compiled kernel), broadcast to the lanes by a shuffle.
 The instruction is picked from the CPU this process runs on (``detect_isa``, never assumed):
 AVX-512 VNNI (512-bit ``vpdpbusd``), AVX-VNNI or AVX-512 VNNI with VL (256-bit, two per step),
 AVX2 ``vpmaddubsw`` + ``vpmaddwd`` (the same sums: a nibble times an int8 pair stays far from
-int16 saturation, 2 x 15 x 127), otherwise plain vector IR that any target lowers.
+int16 saturation, 2 x 15 x 128, so the low and high nibbles' pairs are added as int16 and widened
+once: ``nibble_pairs_dot``), otherwise plain vector IR that any target lowers.
 """
 
 from __future__ import annotations
@@ -140,16 +141,17 @@ def nibble_pairs_dot(builder: ir.IRBuilder, isa: str, lo, xe, hi, xo):
     return builder.shuffle_vector(halves[0], halves[1], ir.Constant(V16I, list(range(16))))
 
 
-def lane_params(builder, ptr, index, group_size: int, n_lanes: int, half: bool):
-    """The per-lane <16 x float> vector of a row's scales (or biases) for the 8 * n_lanes weights
-    starting at element ``index`` * group_size: lane l gets entry (8 l) // group_size."""
-    n = max(1, 8 * n_lanes // group_size)
+def lane_params(builder, ptr, index, group_size: int, n_lanes: int, half: bool, per_lane: int = 8):
+    """The per-lane <16 x float> vector of a row's scales (or biases) for the ``per_lane`` x
+    n_lanes weights starting at group ``index``: lane l gets entry (per_lane l) // group_size
+    (8 weights a lane for 4-bit rows, 4 for 8-bit ones: int8head.py)."""
+    n = max(1, per_lane * n_lanes // group_size)
     elt = ir.HalfType() if half else F32
     p = builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(elt, n).as_pointer())
     v = builder.load(p, align=2 if half else 4)
     if half:
         v = builder.fpext(v, ir.VectorType(F32, n))
-    mask = [(8 * lane) // group_size if lane < n_lanes else 0 for lane in range(16)]
+    mask = [(per_lane * lane) // group_size if lane < n_lanes else 0 for lane in range(16)]
     return builder.shuffle_vector(v, v, ir.Constant(V16I, mask))
 
 

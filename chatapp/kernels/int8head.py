@@ -46,6 +46,7 @@ from .int8dot import (
     _block_scale,
     _dot_i32,
     dot_i32_wide,
+    lane_params,
     q4_rows4_i8,
     quantise_lanes,
     wide_steps,
@@ -88,19 +89,6 @@ def _signed_dot(builder: ir.IRBuilder, isa: str, acc, w, x):
     for k in range(4):
         acc = builder.add(acc, builder.shuffle_vector(prod, prod, ir.Constant(V16I, [4 * i + k for i in range(16)])))
     return acc
-
-
-def _lane_params(builder, ptr, index, group_size: int, n_lanes: int, half: bool):
-    """The <16 x float> of a row's scales (or biases) per lane of 4 weights, for the lanes
-    starting at group ``index``: lane l gets entry (4 l) // group_size of the step's groups."""
-    n = max(1, WEIGHTS_PER_LANE * n_lanes // group_size)
-    elt = ir.HalfType() if half else F32
-    p = builder.bitcast(builder.gep(ptr, [index]), ir.VectorType(elt, n).as_pointer())
-    v = builder.load(p, align=2 if half else 4)
-    if half:
-        v = builder.fpext(v, ir.VectorType(F32, n))
-    mask = [(WEIGHTS_PER_LANE * lane) // group_size if lane < n_lanes else 0 for lane in range(16)]
-    return builder.shuffle_vector(v, v, ir.Constant(V16I, mask))
 
 
 def make_q8_rows_i8(isa: str, group_size: int, rows: int = ROWS, prefetch: int = 0, signed: bool | None = None):
@@ -184,13 +172,14 @@ def make_q8_rows_i8(isa: str, group_size: int, rows: int = ROWS, prefetch: int =
                         d = _signed_dot(builder, isa, izero, builder.xor(q, top), x)
                     else:
                         d = dot_i32_wide(builder, isa, izero, q, x)
-                    ws = _lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales)
+                    ws = lane_params(builder, srows[i], gidx, group_size, n_lanes, half_scales, WEIGHTS_PER_LANE)
                     acc = builder.call(fma, [builder.sitofp(d, V16F), builder.fmul(ls, ws), accs[i]])
                     if not (sym and signed):
                         if sym:  # VNNI: b = -128 s
                             wb = builder.fmul(ws, offset)
                         else:
-                            wb = _lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales)
+                            wb = lane_params(builder, brows[i], gidx, group_size, n_lanes, half_scales,
+                                             WEIGHTS_PER_LANE)
                             if signed:  # b' = b + 128 s
                                 wb = builder.call(fma, [ws, offset, wb])
                         acc = builder.call(fma, [wb, xs, acc])
