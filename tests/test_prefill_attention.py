@@ -53,10 +53,16 @@ def _reference(q, k_raw, v_new, k_cache, v_cache, cos, sin, traditional, heads, 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_cached=st.integers(0, 3 * KBLOCK + 5), tokens=st.integers(1, 2 * QBLOCK + 3),
        shape=st.sampled_from([(4, 4, 32), (9, 3, 64), (2, 1, 128), (6, 2, 16)]), half=st.booleans(),
-       traditional=st.booleans(), seed=st.integers(0, 2**16))
-@example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1)
-@example(n_cached=59, tokens=48, shape=(9, 3, 64), half=True, traditional=False, seed=7276)  # a 1-ulp fp16 tie
-def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed):
+       traditional=st.booleans(), seed=st.integers(0, 2**16), q_from=st.integers(0, 2 * QBLOCK + 3))
+@example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1, q_from=0)
+@example(n_cached=59, tokens=48, shape=(9, 3, 64), half=True, traditional=False, seed=7276,
+         q_from=0)  # a 1-ulp fp16 tie
+@example(n_cached=5, tokens=2 * QBLOCK + 3, shape=(4, 4, 32), half=False, traditional=False, seed=3,
+         q_from=2 * QBLOCK + 2)  # a prefill chunk's last layer: the last row alone
+def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed, q_from):
+    """attn's rows from q_from on equal softmax(q k^T) v (the rows before it neither read from q,
+    which holds NaN there, nor written: they keep their 7s), and every key and value is handed on whatever q_from is."""
+    q_from = min(q_from, tokens - 1)
     heads, kv_heads, D = shape
     rng = np.random.default_rng(seed)
     dt = np.float16 if half else np.float32
@@ -66,22 +72,26 @@ def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, tr
     k_buf[:, :n_cached] = rng.normal(0, 1, (kv_heads, n_cached, D))
     v_buf[:, :n_cached] = rng.normal(0, 1, (kv_heads, n_cached, D))
     q = rng.normal(0, 1, (tokens, heads * D)).astype(np.float32)
+    want_q = q.copy()
+    q[:q_from] = np.nan
     k_raw = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
     v_new = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
     inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
     cos, sin = rope_table(n_cached, tokens, inv_freq)
     k_out = np.zeros((tokens, kv_heads * D), dt)
     v_out = np.zeros((tokens, kv_heads * D), dt)
-    attn = np.full((tokens, heads * D), np.nan, np.float32)
+    attn = np.full((tokens, heads * D), 7.0, np.float32)  # no softmax of V gives 7 here
     (kf, ks), (vf, vs) = heads_view(k_buf.view(np.uint16) if half else k_buf), \
         heads_view(v_buf.view(np.uint16) if half else v_buf)
     ctl = np.zeros(2 * LINE * 2, np.int64)
     scale = np.float32(D ** -0.5)
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, heads, kv_heads, kf, ks, vf, vs, n_cached,
-                    scale, k_out.view(np.uint16) if half else k_out, v_out.view(np.uint16) if half else v_out, attn)
-    want = _reference(q, k_raw, v_new, k_buf[:, :n_cached], v_buf[:, :n_cached], cos, sin, traditional, heads,
+                    scale, k_out.view(np.uint16) if half else k_out, v_out.view(np.uint16) if half else v_out, attn,
+                    q_from)
+    want = _reference(want_q, k_raw, v_new, k_buf[:, :n_cached], v_buf[:, :n_cached], cos, sin, traditional, heads,
                       kv_heads, scale)
-    np.testing.assert_allclose(attn, want, rtol=0, atol=2e-5)
+    np.testing.assert_allclose(attn[q_from:], want[q_from:], rtol=0, atol=2e-5)
+    assert (attn[:q_from] == 7.0).all()
     roped = np.concatenate([_rope(k_raw[:, g * D:(g + 1) * D], cos, sin, traditional) for g in range(kv_heads)], 1)
     # the kernel's float32 rotation differs from numpy's in the last bits, so its fp16 rounding may land on the
     # neighbouring value: compare with the unrounded rotation, within one ulp of the stored type

@@ -98,7 +98,7 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
 
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
-                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn):  # pragma: no cover - jitted
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, q_from=0):  # pragma: no cover - jitted
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
@@ -106,13 +106,16 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     The claim of each KV head's last token block ropes all T keys and hands them, with the
     values, to k_out / v_out (the cache's dtype) for the caller to append; k_out / v_out with no
     rows: into the cache buffers themselves, at rows n_cached .. n_cached + T - 1 (which no claim
-    reads: the chunk's keys come from k_raw / v_new), so the caller only counts them."""
+    reads: the chunk's keys come from k_raw / v_new), so the caller only counts them.
+    ``q_from``: only the rows t >= q_from of attn are wanted (q's rows before it need not be
+    computed; the token blocks wholly before it are skipped), every key and value still handed on."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
     M = G * QBLOCK
     n_blocks = (T + QBLOCK - 1) // QBLOCK
-    n_units = n_kv_heads * n_blocks
+    b0 = min(q_from, T - 1) // QBLOCK  # the first token block with a wanted row
+    n_units = n_kv_heads * (n_blocks - b0)
     qt = np.empty(D * M, np.float32)
     ot = np.empty(D * M, np.float32)
     st = np.empty(KBLOCK * M, np.float32)
@@ -127,7 +130,7 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         u = phase_claim(ctl, phase, n_units)
         if u < 0:
             break
-        kh, blk = u // n_blocks, u % n_blocks
+        kh, blk = u // (n_blocks - b0), b0 + u % (n_blocks - b0)
         t0 = blk * QBLOCK
         t_end = min(T, t0 + QBLOCK)
         for j in range(t_end):
@@ -150,15 +153,15 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                     store_f32(kd, kh * D + e, kr[j, e])
                 for e in range(D):
                     store_f32(vd, kh * D + e, v_new[j, kh * D + e])
-        # Q^T: lane g * QBLOCK + i holds head kh * G + g at token t0 + i (zeros past the chunk,
-        # which see every key: no lane's row is ever all masked)
+        # Q^T: lane g * QBLOCK + i holds head kh * G + g at token t0 + i (zeros past the chunk
+        # and before q_from, which see every key: no lane's row is ever all masked)
         for g in range(G):
             h = kh * G + g
             for i in range(QBLOCK):
                 m = g * QBLOCK + i
                 t = t0 + i
                 lane_t[m] = t
-                if t < T:
+                if q_from <= t < T:
                     for e in range(D):  # (a loop, not ``qr[:] = ...``: see views.py)
                         qr[e] = q[t, h * D + e]
                     apply_rope(qr, cos[t], sin[t], traditional)
@@ -186,7 +189,7 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                     outer4x32(vb, e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)
         for g in range(G):
             h = kh * G + g
-            for i in range(t_end - t0):
+            for i in range(max(0, q_from - t0), t_end - t0):
                 m = g * QBLOCK + i
                 inv = np.float32(1.0) / run_sum[m]
                 for e in range(D):

@@ -220,8 +220,11 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, fast=0, act_block=0):  # pragma: no cover
-    """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place.
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, fast=0, act_block=0,
+                  last_only=False):  # pragma: no cover
+    """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
+    its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
+    for the last token only, as a chunk's last layer needs: its other rows reach nothing).
 
     w* = (packed uint8 [N, K*bits/8], scales, biases) as in decode_step; cos/sin [T, D/2] for
     the chunk's positions; k_cache/v_cache flat views of the cache's [kv_heads, capacity, D]
@@ -238,6 +241,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
     ones (two int8 planes, the same blocks)."""
     T, dim = x.shape
+    t1 = T - 1 if last_only else 0  # the first row whose output past K and V is wanted
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
     # down_proj on 16-bit activations (two int8 planes) unless FAST_DOWN puts it on int8
     down_planes = 2 if (fast & PREFILL_DOWN_WIDE) != 0 and not f_down else 1
@@ -251,7 +255,6 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # xbuf: each is written at the start of its phase, after this thread's last read of the
     # other (the barrier before), so one buffer serves the two (down_proj reads act itself)
     xp_d = rows_of(xbuf, 0, T, dim)
-    xp_a = rows_of(xbuf, 0, T, ka)
     half_h = hidden // 2
     tile_d, tile_a = np.empty((ROW_TILE, dim), np.float32), np.empty((ROW_TILE, ka), np.float32)
     tile_h = np.empty((ROW_TILE, hidden), np.float32)
@@ -265,6 +268,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # 0. q, k, v: one phase over the row tiles of the three weights
     _permuted(x, attn_norm, eps, xp_d)
     xq = _quantised(xp_d, f_qkv, act_blk, unit, one_plane)
+    xp_q, xq_q = xp_d, xq  # the queries' rows: t1 onwards
+    if last_only:
+        xp_q = xp_d[t1:]
+        xq_q = _quantised(xp_q, f_qkv, act_blk, unit, one_plane)
     pan_d = _panel(dim, group_size, f_qkv or f_gu)
     nq, nk, nv = wq[0].shape[0], wk[0].shape[0], wv[0].shape[0]
     cq, ck = (nq + ROW_TILE - 1) // ROW_TILE, (nk + ROW_TILE - 1) // ROW_TILE
@@ -273,32 +280,40 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         c = phase_claim(ctl, 0, n0)
         if c < 0:
             break
+        xin, xqi = xp_d, xq
         if c < cq:
-            w, wb, dst, r0 = wq, bits[0], q, c * ROW_TILE
+            w, wb, dst, r0 = wq, bits[0], q[t1:], c * ROW_TILE
+            xin, xqi = xp_q, xq_q
         elif c < cq + ck:
             w, wb, dst, r0 = wk, bits[1], k_raw, (c - cq) * ROW_TILE
         else:
             w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
         n = min(ROW_TILE, w[0].shape[0] - r0)
-        _tile_product(w, wb, group_size, r0, n, xp_d, dst, r0, no_add, tile_d, f_qkv, xq, pan_d, unit)
+        _tile_product(w, wb, group_size, r0, n, xin, dst, r0, no_add, tile_d, f_qkv, xqi, pan_d, unit)
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
     # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t
     # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
-                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn)
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, t1)
+
+    # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
+    Tn = T - t1
+    xr, attn_r, act_r = x[t1:], attn[t1:], act[t1:]
+    xp_d = rows_of(xbuf, 0, Tn, dim)
+    xp_a = rows_of(xbuf, 0, Tn, ka)
 
     # 3. x += o_proj(attn)
-    _permuted(attn, no_norm, eps, xp_a)
-    _product_phase(ctl, phase_o, wo, bits[3], group_size, xp_a, x, add, tile_a, f_o,
+    _permuted(attn_r, no_norm, eps, xp_a)
+    _product_phase(ctl, phase_o, wo, bits[3], group_size, xp_a, xr, add, tile_a, f_o,
                    _quantised(xp_a, f_o, act_blk, unit, one_plane), unit)
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
-    _permuted(x, mlp_norm, eps, xp_d)
+    _permuted(xr, mlp_norm, eps, xp_d)
     xq = _quantised(xp_d, f_gu, act_blk, unit, one_plane)
-    gu = np.empty((T, ROW_TILE), np.float32)
-    uu = np.empty((T, ROW_TILE), np.float32)
+    gu = np.empty((Tn, ROW_TILE), np.float32)
+    uu = np.empty((Tn, ROW_TILE), np.float32)
     n4 = (hidden + ROW_TILE - 1) // ROW_TILE
     while True:
         c = phase_claim(ctl, 3, n4)
@@ -308,16 +323,16 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         n = min(ROW_TILE, hidden - r0)
         _tile_product(wg, bits[4], group_size, r0, n, xp_d, gu, col_zero, no_add, tile_d, f_gu, xq, pan_d, unit)
         _tile_product(wu, bits[5], group_size, r0, n, xp_d, uu, col_zero, no_add, tile_d, f_gu, xq, pan_d, unit)
-        for t in range(T):
+        for t in range(Tn):
             for i in range(n):
                 c = r0 + i  # written de-interleaved, as _permuted would leave it for down_proj
-                act[t, (c >> 1) + (c & 1) * half_h] = silu_mul(gu[t, i], uu[t, i])
+                act_r[t, (c >> 1) + (c & 1) * half_h] = silu_mul(gu[t, i], uu[t, i])
         phase_done(ctl, 3)
     phase_barrier(ctl, 3, n4)
 
     # 5. x += down(act), act already permuted (no norm: _permuted would only move its elements)
-    _product_phase(ctl, phase_down, wd, bits[6], group_size, act, x, add, tile_h, f_down,
-                   _quantised(act, f_down, act_blk, unit, np.int64(down_planes)), unit)
+    _product_phase(ctl, phase_down, wd, bits[6], group_size, act_r, xr, add, tile_h, f_down,
+                   _quantised(act_r, f_down, act_blk, unit, np.int64(down_planes)), unit)
 
 
 @njit(nogil=True, cache=True)
@@ -337,9 +352,12 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                  scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, act_block=0):  # pragma: no cover - jitted
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
-    holding LAYER_CTL counters per layer); weights, norms and cache addresses as token_step
-    takes them, the cache buffers' element type that of k_out. k_out/v_out [L, T, kv_heads * D]
-    (float32, or float16 bits as uint16) receive each layer's new roped K and V; v_raw
+    holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
+    head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
+    geometry its exact float products of every row had been half a 256-token chunk's time);
+    weights, norms and cache addresses as token_step takes them, the cache buffers' element type
+    that of k_out. k_out/v_out [L, T, kv_heads * D] (float32, or float16 bits as uint16) receive
+    each layer's new roped K and V; v_raw
     [T, kv_heads * D] float32 scratch for the values; fast [L]
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
@@ -353,7 +371,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, xbuf, fast[layer], act_block)
+                      act, xbuf, fast[layer], act_block, layer == bits.shape[0] - 1)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
