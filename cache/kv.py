@@ -173,7 +173,8 @@ class SegmentedKVCache(_CacheBase):
         self.mode = settings.mode
         self.sinks, self.window, self.budget = sinks, window, budget
         self.quant_start, self.chunk = quant_start, settings.evict_chunk
-        self.full = FullBuffer(settings.chunk_size)
+        self._unbounded = window is None and budget is None  # every token kept at full precision
+        self.full = FullBuffer(settings.chunk_size, geometric=self._unbounded)
         self.quant = quant_buffer(settings) if quantize else None
         self.repos = repositioner
         self.delta_q = 0
@@ -220,6 +221,22 @@ class SegmentedKVCache(_CacheBase):
         if not self._plain:
             raise ValueError(f"{self.mode}: rows written in place need a cache that never quantises or evicts")
         self.full.wrote_in_place(n)
+
+    def reserve(self, n: int) -> bool:
+        """Room for ``n`` more tokens now, rather than when they arrive, in a cache that keeps
+        every token at full precision and already holds rows (nothing otherwise: the bounded
+        modes' buffers stop growing at their budget). Growing copies every row held into new
+        memory: in the middle of a reply that is a stall (8 layers of a 7B model at 4,096
+        tokens: 0.4-1 s), so a session reserves a turn's worth before the turn's prefill.
+        Evaluated here, one layer at a time: the old and the new buffers of every layer at
+        once would be MLX's peak. Returns whether the buffers grew."""
+        k = self.full.keys
+        if not self._unbounded or k is None or self.full.length + n <= self.full.capacity:
+            return False
+        rows = mx.zeros((k.shape[0], k.shape[1], 1, k.shape[3]), k.dtype)  # the rows' shape
+        self.full.reserve(n, rows, rows)
+        mx.eval(self.full.keys, self.full.values)
+        return True
 
     def absorb(self, keys: mx.array, values: mx.array) -> None:
         """Take tokens outside a model step (conversion, restore); the policy then applies."""
@@ -391,7 +408,7 @@ class SegmentedKVCache(_CacheBase):
             raise CacheStateError(f"expected 0, 2 or 8 state arrays, got {len(v)}")
         if len(v) == 8 and self.quant is None:
             raise CacheStateError(f"the state holds quantised tokens but {self.mode} keeps none")
-        self.full = FullBuffer(self.settings.chunk_size)
+        self.full = FullBuffer(self.settings.chunk_size, geometric=self._unbounded)
         if self.quant is not None:
             self.quant = quant_buffer(self.settings)
         if v:
@@ -434,7 +451,8 @@ class SegmentedKVCache(_CacheBase):
 
 
 class PreallocKVCache(SegmentedKVCache):
-    """Contiguous buffer, grown by whole chunks, written in place; keeps every token."""
+    """Contiguous buffer, grown by whole chunks (by half its capacity at least: FullBuffer),
+    written in place; keeps every token."""
 
     def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None):
         super().__init__(settings)

@@ -239,6 +239,33 @@ def test_prealloc_grows_by_whole_chunks():
     assert caches[0].usage().full_slots == 1024 and caches[0].offset == 610
 
 
+@pytest.mark.parametrize("mode", ["prealloc", "window"])
+def test_an_unbounded_buffer_grows_by_half_its_capacity_a_bounded_one_by_chunks(mode):
+    """Growing copies every held row into new memory: prealloc (every token kept) grows by half
+    its capacity at least, so 3,000 tokens one at a time see 6 buffers, not 12; a window's buffer
+    (capped by its budget) keeps whole chunks. Either way no row is lost on the way."""
+    import mlx.nn as nn
+
+    from cache import CACHE_CLASSES
+    from cache.rope import Repositioner
+
+    s = CacheSettings(mode=mode, chunk_size=256, sinks=4, window=512, evict_chunk=256)
+    c = CACHE_CLASSES[mode](s, repositioner=Repositioner(nn.RoPE(4)))
+    rows = mx.random.normal((1, 1, 3000, 4), key=mx.random.key(0))
+    caps = []
+    for i in range(rows.shape[2]):
+        c.update_and_fetch(rows[:, :, i:i + 1], rows[:, :, i:i + 1] + 1)
+        if not caps or c.full.capacity != caps[-1]:
+            caps.append(c.full.capacity)
+    assert all(cap % 256 == 0 for cap in caps)
+    if mode == "prealloc":
+        assert caps == [256, 512, 768, 1280, 2048, 3072]
+        k, v = c.content()
+        assert mx.array_equal(k, rows) and mx.array_equal(v, rows + 1)
+    else:
+        assert all(b - a == 256 for a, b in zip(caps, caps[1:])) and caps[-1] <= 4 + 512 + 2 * 256
+
+
 # ---- attention routes -------------------------------------------------------------------------
 def test_dispatched_attention_equals_dequantised_route():
     model = tiny_llama(layers=1)

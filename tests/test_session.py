@@ -214,6 +214,21 @@ def test_random_model_all_modes_multi_turn():
             assert view.quant_tokens > 0
 
 
+def test_a_turn_reserves_its_reply_before_it_starts_so_the_cache_never_grows_mid_reply():
+    """prealloc grows by copying every row held (a stall in the middle of a stream): a turn makes
+    room for its prefill and max_tokens before its prefill, so the buffers stay the same for
+    every token of a 300-token reply that crosses chunk boundaries (256)."""
+    from chatapp.model.synthetic import byte_tokenizer
+    from tests.conftest import tiny_llama
+
+    s = Session(tiny_llama(layers=1), byte_tokenizer(), mode="prealloc",
+                generation=GenerationSettings(temp=0.0, max_tokens=8, ignore_eos=True))
+    run(s.send("hello"))  # the caches hold rows now
+    s.set_generation(max_tokens=300)
+    caps = {s.caches[0].full.capacity for e in s.send("and a longer reply, please") if isinstance(e, TokenEvent)}
+    assert len(caps) == 1 and caps.pop() >= len(s.cached) > 300
+
+
 def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):
     model, tok = stories
     settings = GenerationSettings(temp=0.0, max_tokens=400)

@@ -328,6 +328,7 @@ class Session:
         stats.reused_tokens = reuse
         rest = prompt[reuse:]
         stats.prefill_tokens = len(rest)
+        self._reserve(len(rest))
         t_prefill = time.perf_counter()
         logits = None
         for item in self._prefill(rest, stats, step=self._prefill_step()):
@@ -344,6 +345,20 @@ class Session:
             yield TurnDone("", stats)
             return
         yield from self.decode(logits, stats, t0)
+
+    def _reserve(self, prefill: int) -> None:
+        """Room in the caches for this turn's prefill and a whole reply before the turn starts
+        (within the trained context): a cache that grows mid-reply stalls the stream while it
+        copies every row held (SegmentedKVCache.reserve); here that wait joins the prefill's."""
+        ahead = self.generation.max_tokens
+        if self.geometry.max_positions:
+            ahead = max(0, min(ahead, self.geometry.max_positions - len(self.cached) - prefill))
+        grew = False
+        for c in self.caches:
+            reserve = getattr(c, "reserve", None)  # (concat has nothing to reserve)
+            grew = (reserve is not None and reserve(prefill + ahead)) or grew
+        if grew:
+            mx.clear_cache()  # the old buffers: no cache of this size will take them again soon
 
     def _reuse(self, prompt: list[int]) -> int:
         """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
