@@ -222,11 +222,10 @@ def test_a_turn_reserves_its_reply_before_it_starts_so_the_cache_never_grows_mid
     from tests.conftest import tiny_llama
 
     s = Session(tiny_llama(layers=1), byte_tokenizer(), mode="prealloc",
-                generation=GenerationSettings(temp=0.0, max_tokens=8, ignore_eos=True))
-    run(s.send("hello"))  # the caches hold rows now
-    s.set_generation(max_tokens=300)
-    caps = {s.caches[0].full.capacity for e in s.send("and a longer reply, please") if isinstance(e, TokenEvent)}
-    assert len(caps) == 1 and caps.pop() >= len(s.cached) > 300
+                generation=GenerationSettings(temp=0.0, max_tokens=300, ignore_eos=True))
+    for text in ("hello", "and a longer reply, please"):  # a first turn (no rows before it), a second
+        caps = {s.caches[0].full.capacity for e in s.send(text) if isinstance(e, TokenEvent)}
+        assert len(caps) == 1 and caps.pop() >= len(s.cached) > 300
 
 
 def test_ignore_eos_runs_to_max_tokens_without_showing_the_end_token(stories):

@@ -344,12 +344,14 @@ class Session:
             self._finish(stats, t0, "", interrupted=True)
             yield TurnDone("", stats)
             return
+        self._reserve(0)  # a first turn's caches had no rows to reserve from before its prefill
         yield from self.decode(logits, stats, t0)
 
     def _reserve(self, prefill: int) -> None:
         """Room in the caches for this turn's prefill and a whole reply before the turn starts
         (within the trained context): a cache that grows mid-reply stalls the stream while it
-        copies every row held (SegmentedKVCache.reserve); here that wait joins the prefill's."""
+        copies every row held (SegmentedKVCache.reserve); here that wait joins the prefill's.
+        Caches without rows yet reserve nothing: a first turn calls this again after its prefill."""
         ahead = self.generation.max_tokens
         if self.geometry.max_positions:
             ahead = max(0, min(ahead, self.geometry.max_positions - len(self.cached) - prefill))
