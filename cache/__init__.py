@@ -16,6 +16,7 @@ _WHERE = {
     "install_attention": "attention", "set_decode_kernels": "attention", "set_prefill_kernel": "attention",
     "Conversion": "convert", "convert_caches": "convert",
     "ModelGeometry": "factory", "check_settings": "factory", "make_caches": "factory", "model_geometry": "factory",
+    "reserve_tokens": "factory",
     "CACHE_CLASSES": "kv", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantizedKVCache": "kv",
     "SegmentedKVCache": "kv", "WindowKVCache": "kv", "WindowQuantKVCache": "kv",
     "ScoredKVCache": "scored",

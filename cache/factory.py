@@ -70,6 +70,16 @@ def make_caches(model, settings: CacheSettings, geometry: ModelGeometry | None =
     return [cls(settings, repositioner=repos) for _ in range(geom.n_layers)]
 
 
+def reserve_tokens(caches: list, n: int) -> bool:
+    """Room for ``n`` more tokens now in each layer's cache that takes a reservation (the ones
+    that keep every token: SegmentedKVCache.reserve; concat has none); whether any grew."""
+    grew = False
+    for c in caches:
+        reserve = getattr(c, "reserve", None)
+        grew = (reserve is not None and reserve(n)) or grew
+    return grew
+
+
 def _check_state(i: int, state: list, settings: CacheSettings, geom: ModelGeometry) -> None:
     """Shapes of one layer's saved state against the model and the settings."""
     if not state:

@@ -114,26 +114,24 @@ def chatapp_prefill(model, cache, prompt: list[int], step: int = 512):
 
 
 def greedy_decode(model, cache, inputs, n: int) -> tuple[list[int], list[float]]:
-    """n greedy tokens from ``inputs`` (an mx.array of token ids), the next step queued
-    (async_eval) before the current token is read, as the Session does; returns the tokens and
-    the times they reached Python."""
+    """n greedy tokens from ``inputs`` (an mx.array of token ids) through the Session's token
+    loop (``engine.generate.decode_tokens``: the next step queued before a token is read, or,
+    with the fused step, run after it), room for the n tokens reserved first as a turn does;
+    returns the tokens and the times they reached Python."""
     import mlx.core as mx
 
-    def step(x):
-        return mx.argmax(model(x[None], cache=cache)[:, -1, :], axis=-1)
+    from cache import reserve_tokens
+    from chatapp.backend.fused_decode import steps_synchronously
+    from chatapp.engine.generate import decode_tokens
 
-    y = step(inputs)
-    mx.async_eval(y)
+    reserve_tokens(cache, len(inputs) + n)
+    logits = model(inputs[None], cache=cache)[:, -1, :]
     out, stamps = [], []
-    while True:
-        nxt = step(y) if len(out) + 1 < n else None
-        if nxt is not None:
-            mx.async_eval(nxt)
-        out.append(int(y.item()))
+    for token, _, _ in decode_tokens(model, cache, logits, lambda lg: mx.argmax(lg, axis=-1), n,
+                                     sync=steps_synchronously(model)):
+        out.append(int(token))
         stamps.append(time.perf_counter())
-        if nxt is None:
-            return out, stamps
-        y = nxt
+    return out, stamps
 
 
 def chatapp_generate(model, prompt: list[int], n: int, prefill_step: int = 512) -> tuple[list[int], float, float]:

@@ -23,6 +23,7 @@ from cache import (
     convert_caches,
     make_caches,
     model_geometry,
+    reserve_tokens,
 )
 from cache.settings import AUTO
 from chatapp.backend.fused_decode import steps_synchronously
@@ -355,11 +356,7 @@ class Session:
         ahead = self.generation.max_tokens
         if self.geometry.max_positions:
             ahead = max(0, min(ahead, self.geometry.max_positions - len(self.cached) - prefill))
-        grew = False
-        for c in self.caches:
-            reserve = getattr(c, "reserve", None)  # (concat has nothing to reserve)
-            grew = (reserve is not None and reserve(prefill + ahead)) or grew
-        if grew:
+        if reserve_tokens(self.caches, prefill + ahead):
             mx.clear_cache()  # the old buffers: no cache of this size will take them again soon
 
     def _reuse(self, prompt: list[int]) -> int:
