@@ -173,8 +173,9 @@ class SegmentedKVCache(_CacheBase):
         self.mode = settings.mode
         self.sinks, self.window, self.budget = sinks, window, budget
         self.quant_start, self.chunk = quant_start, settings.evict_chunk
-        self._unbounded = window is None and budget is None  # every token kept at full precision
-        self.full = FullBuffer(settings.chunk_size, geometric=self._unbounded)
+        # nothing to quantise or evict: every token kept at full precision, in a buffer with no bound
+        self._plain = not quantize and budget is None
+        self.full = FullBuffer(settings.chunk_size, geometric=self._plain)
         self.quant = quant_buffer(settings) if quantize else None
         self.repos = repositioner
         self.delta_q = 0
@@ -189,7 +190,6 @@ class SegmentedKVCache(_CacheBase):
         # right either way; once attend() has followed an update, it may skip building it.
         self._dispatched: bool | None = None
         self._awaiting_attend = False
-        self._plain = self.quant is None and budget is None
         # An evicting cache's last decode queries, for attention_sparsity (sparsity.py).
         self._seen = observer() if budget is not None else None
 
@@ -231,7 +231,7 @@ class SegmentedKVCache(_CacheBase):
         Evaluated here, one layer at a time: the old and the new buffers of every layer at
         once would be MLX's peak. Returns whether the buffers grew."""
         k = self.full.keys
-        if not self._unbounded or k is None or self.full.length + n <= self.full.capacity:
+        if not self._plain or k is None or self.full.length + n <= self.full.capacity:
             return False
         rows = mx.zeros((k.shape[0], k.shape[1], 1, k.shape[3]), k.dtype)  # the rows' shape
         self.full.reserve(n, rows, rows)
@@ -408,7 +408,7 @@ class SegmentedKVCache(_CacheBase):
             raise CacheStateError(f"expected 0, 2 or 8 state arrays, got {len(v)}")
         if len(v) == 8 and self.quant is None:
             raise CacheStateError(f"the state holds quantised tokens but {self.mode} keeps none")
-        self.full = FullBuffer(self.settings.chunk_size, geometric=self._unbounded)
+        self.full = FullBuffer(self.settings.chunk_size, geometric=self._plain)
         if self.quant is not None:
             self.quant = quant_buffer(self.settings)
         if v:
