@@ -170,6 +170,9 @@ class QuantBuffer(_TokenBuffer):
         self.values: list[mx.array] | None = None
         self.length = 0
         self._held_view: tuple | None = None
+        # what a native reader keeps for the current arrays (host views, addresses: the fused
+        # decode step), dropped whenever the arrays change
+        self.pinned: object | None = None
 
     @property
     def capacity(self) -> int:
@@ -188,6 +191,7 @@ class QuantBuffer(_TokenBuffer):
         n = keys.shape[2]
         qk = mx.quantize(keys, group_size=self.group_size, bits=self.bits)
         qv = mx.quantize(values, group_size=self.group_size, bits=self.bits)
+        self.pinned = None
         self.keys = self._write(self.keys, qk, n)
         self.values = self._write(self.values, qv, n)
         self.length += n
@@ -214,6 +218,7 @@ class QuantBuffer(_TokenBuffer):
         (None and 0: nothing); a restore and the scored caches' eviction make them."""
         self.keys, self.values, self.length = keys, values, length
         self._held_view = None
+        self.pinned = None
 
     def dequantized(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         end = self.length if end is None else end
@@ -236,8 +241,10 @@ class QuantBuffer(_TokenBuffer):
     def from_state(self, arrays: list[mx.array]) -> None:
         self.keys, self.values, self.length = list(arrays[:3]), list(arrays[3:6]), arrays[0].shape[2]
         self._held_view = None
+        self.pinned = None
 
     def remove_front(self, n: int) -> None:
+        self.pinned = None
         self.keys = [_shift_left(b, 0, n, self.length) for b in self.keys]
         self.values = [_shift_left(b, 0, n, self.length) for b in self.values]
         self.length -= n

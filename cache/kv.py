@@ -215,12 +215,33 @@ class SegmentedKVCache(_CacheBase):
         return self.content()
 
     def wrote_in_place(self, n: int) -> None:
-        """Count ``n`` tokens that a native decode step wrote into ``full``'s buffers in place
+        """Count ``n`` tokens that a native step wrote into ``full``'s buffers in place
         (``full.writable_in_place(n)`` said it may): what ``update_and_fetch`` of those rows
-        would have left, for a cache with nothing to quantise or evict."""
-        if not self._plain:
-            raise ValueError(f"{self.mode}: rows written in place need a cache that never quantises or evicts")
+        would have left. The writer settled the cache first (``settle``), so the rows follow
+        what it holds; the policy's maintenance they make due runs before the next read, as
+        after ``update_and_fetch``."""
+        if self._pending:
+            raise ValueError(f"{self.mode}: rows written in place before the cache's maintenance ran (settle)")
         self.full.wrote_in_place(n)
+        if not self._plain:
+            self._arrived(n)
+
+    def settle(self) -> None:
+        """Run the maintenance that is due (quantise a chunk, evict): a native step reads the
+        buffers as they are, so it settles every cache first, as reading ``offset`` would."""
+        if self._pending:
+            self._maintain()
+
+    @property
+    def keeps_queries(self) -> bool:
+        """Whether the cache keeps decode steps' queries (``keep_queries``): the evicting modes do."""
+        return self._seen is not None
+
+    def keep_queries(self, queries, scale: float) -> None:
+        """The roped queries of a decode step a native step ran (host floats [heads, D]): what
+        ``attend`` keeps of them (the sparsity figure's; the scored caches' votes, scored.py)."""
+        if self._seen is not None:
+            record(self._seen, queries, scale, self._held() - 1, self.evicted)
 
     def reserve(self, n: int) -> bool:
         """Room for ``n`` more tokens now, rather than when they arrive, in a cache that keeps
@@ -243,6 +264,10 @@ class SegmentedKVCache(_CacheBase):
         if self._pending:
             self._maintain()
         self.full.append(keys, values)
+        self._arrived(keys.shape[2])
+
+    def _arrived(self, n: int) -> None:
+        """What follows ``n`` rows arriving in ``full`` (appended, or written in place)."""
         self._pending = self._needs_maintenance()
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:

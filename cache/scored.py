@@ -48,6 +48,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
 from .rope import Repositioner
@@ -104,7 +105,11 @@ class ScoredKVCache(SegmentedKVCache):
         # between them: only these can be trimmed and re-used token-exactly (the engine asks).
         self._tail = 0
         # The last ``observe`` queries (as the model rotated them) and their scale: the votes.
-        self._obs: mx.array | None = None
+        # A native decode step's queries arrive as host floats (``keep_queries``) and join them when
+        # they are read (the ``_obs`` property): an MLX op per layer and token would cost the
+        # fused step more than its attention over a short history.
+        self._obs_mx: mx.array | None = None
+        self._obs_host: list = []
         self._scale = 1.0
         self._since = 0  # tokens attended since the scores were last brought up to date
 
@@ -114,10 +119,34 @@ class ScoredKVCache(SegmentedKVCache):
             self._maintain()
         return self._tail
 
-    def absorb(self, keys: mx.array, values: mx.array) -> None:
-        super().absorb(keys, values)
-        self._tail += keys.shape[2]
-        self._fit_scores(keys.shape[1])
+    @property
+    def _obs(self) -> mx.array | None:
+        if self._obs_host:
+            host = self._obs_host[-self.observe:]
+            q = mx.array(host[0][None] if len(host) == 1 else np.stack(host))  # [L, heads, D]
+            q = q.transpose(1, 0, 2)[None]
+            self._obs_host = []
+            if self._obs_mx is not None and q.shape[2] < self.observe:
+                q = mx.concatenate([self._obs_mx.astype(q.dtype), q], axis=2)
+            self._obs_mx = q[:, :, -self.observe:, :]
+        return self._obs_mx
+
+    @_obs.setter
+    def _obs(self, value: mx.array | None) -> None:
+        self._obs_mx, self._obs_host = value, []
+
+    def _arrived(self, n: int) -> None:
+        super()._arrived(n)
+        self._tail += n
+        self._fit_scores(self.full.keys.shape[1])
+
+    def keep_queries(self, queries, scale: float) -> None:
+        """A native decode step's roped queries (host floats [heads, D]): the next votes."""
+        super().keep_queries(queries, scale)
+        self._obs_host.append(queries)
+        if len(self._obs_host) > 2 * self.observe:
+            del self._obs_host[:-self.observe]
+        self._scale, self._since = scale, self._since + 1
 
     def _fit_scores(self, heads: int | None = None) -> None:
         """New tokens start at zero (they sit in the protected recent window while they gather mass)."""

@@ -66,6 +66,8 @@ def evictable_share(cache, seen: deque) -> float | None:
         return None
     queries, ends, scale = [], [], 1.0
     for q, scale, index, evicted in seen:
+        if not isinstance(q, mx.array):  # host floats [heads, D] a native decode step kept
+            q = mx.array(q).reshape(1, q.shape[0], 1, q.shape[1])
         moved = cache.evicted - evicted  # tokens evicted since: the query's token moved back as much
         i = index - moved
         if not 0 <= i < held:

@@ -199,7 +199,8 @@ class FusedDecoder:
         self._k_out = np.empty(kd, np.float32)
         from chatapp.kernels.group_attention import part_size
 
-        self._part = np.empty(part_size(self.n_heads, self.n_kv_heads, self.head_dim), np.float32)
+        # room for the splits of the full-precision rows and as many of a quantised middle's
+        self._part = np.empty(2 * part_size(self.n_heads, self.n_kv_heads, self.head_dim), np.float32)
         self._act = np.empty(hidden, np.float32)
         if any(layer.eps != self.layers[0].eps for layer in self.layers):
             raise ValueError("fused decode: layers with different norm eps")
@@ -224,6 +225,15 @@ class FusedDecoder:
         self._kv_size = np.empty(n, np.int64)
         self._kv_stride = np.empty(n, np.int64)
         self._write_kv = np.zeros(n, np.int64)
+        # a quantised middle's six buffers per layer (decode_step.token_step's q_addr ...), the
+        # angles of its queries, and the roped queries each layer hands back
+        self._q_addr = np.zeros((n, 6), np.int64)
+        self._q_size = np.zeros((n, 6), np.int64)
+        self._q_stride = np.zeros((n, 6), np.int64)
+        half = self.head_dim // 2
+        self._cos_q = np.ones((n, half), np.float32)
+        self._sin_q = np.zeros((n, half), np.float32)
+        self._q_out = np.empty((n, self.n_heads * self.head_dim), np.float32)
 
     def first_layers(self, n: int) -> "FusedDecoder":
         """A decoder of this one's first ``n`` layers, sharing their weights and numerics: the
@@ -403,28 +413,80 @@ class FusedDecoder:
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
+        for c in caches:
+            c.settle()  # quantise or evict what is due before the buffers are read
         n_cached = self._cache_buffers(caches, 1)
+        n_quant, q_bits, q_group, scales_like = self._quant_buffers(caches)
         write = self._write_kv
         for i, c in enumerate(caches):
             write[i] = self.write_in_place and c.full.writable_in_place(1)
-        cos, sin = rope_angles(n_cached, self.inv_freq)
+        position = n_cached + n_quant  # the token's (compacted) position: right after every token held
+        cos, sin = rope_angles(position, self.inv_freq)
+        if n_quant:
+            self._middle_angles(caches, position)
         x = self.embedding(token)
         pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
                          self._mlp_norms, self._eps, *self._lists, self._bits, self.group_size, cos, sin,
                          self.traditional, self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride,
                          n_cached, self.scale, self._q, self._k, self._v_all, self._k_all, self._part, self._act,
                          self.fast_mask, write, _kv_like(caches),
-                         self.chunks or CHUNKS_PER_THREAD * pool().threads)
+                         self.chunks or CHUNKS_PER_THREAD * pool().threads, self._q_addr, self._q_size,
+                         self._q_stride, n_quant, q_bits, q_group, self._cos_q, self._sin_q, scales_like,
+                         self._q_out)
         k_new = v_new = None
         for i, c in enumerate(caches):
             if write[i]:
                 c.wrote_in_place(1)
-                continue
-            # a row a snapshot may still hold (after a trim): through MLX, which copies the buffer
-            if k_new is None:
-                k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
-            c.update_and_fetch(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
+            else:
+                # a row a snapshot may still hold (after a trim): through MLX, which copies the buffer
+                if k_new is None:
+                    k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
+                c.absorb(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
+            if c.keeps_queries:
+                c.keep_queries(self._q_out[i].reshape(self.n_heads, D).copy(), float(self.scale))
         return self._head(x)
+
+    def _quant_buffers(self, caches: list) -> tuple[int, int, int, np.ndarray]:
+        """The caches' quantised middles for token_step: their buffers' addresses, sizes and head
+        strides in ``_q_addr``/``_q_size``/``_q_stride``; returns (rows held, bits, group size, an
+        empty array of the scales' kernel type). The host views are kept on each buffer
+        (``QuantBuffer.pinned``) until its arrays change (a flush or an eviction: every
+        evict_chunk tokens). No middle: zeros, and the scales' type the K/V dtype gives them."""
+        from chatapp.kernels.half import KV_NUMPY
+
+        lengths = {c.quant.length if c.quant is not None else 0 for c in caches}
+        if len(lengths) != 1:
+            raise ValueError("fused decode: the layers' caches hold different quantised token counts")
+        n_quant = lengths.pop()
+        kv_like = _kv_like(caches)
+        if not n_quant:
+            self._q_addr[:] = 0
+            self._q_size[:] = 0
+            native = kv_like.dtype == np.uint16 and _half_scales_native()
+            return 0, 8, 32, np.empty(0, KV_NUMPY["float16"] if native else np.float32)
+        kinds = set()
+        for i, c in enumerate(caches):
+            q = c.quant
+            if q.pinned is None:
+                q.pinned = _pin_quant(q)
+            views, addrs, sizes, strides = q.pinned
+            self._q_addr[i], self._q_size[i], self._q_stride[i] = addrs, sizes, strides
+            kinds.add((q.bits, q.group_size, views[1].dtype.str))
+        if len(kinds) != 1:
+            raise ValueError("fused decode: the layers' quantised middles differ in bits, groups or scale dtype")
+        bits, group, _ = kinds.pop()
+        return n_quant, bits, group, np.empty(0, caches[0].quant.pinned[0][1].dtype)
+
+    def _middle_angles(self, caches: list, position: int) -> None:
+        """cos/sin of each layer's middle: its keys sit the cache's ``delta_q`` further on."""
+        from chatapp.kernels.decode_step import rope_angles
+
+        memo: dict[int, tuple] = {}
+        for i, c in enumerate(caches):
+            d = c.delta_q
+            if d not in memo:
+                memo[d] = rope_angles(position + d, self.inv_freq)
+            self._cos_q[i], self._sin_q[i] = memo[d]
 
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
@@ -436,12 +498,19 @@ class FusedDecoder:
 
         T = int(tokens.shape[0])
         KVH, D, L = self.n_kv_heads, self.head_dim, len(self.layers)
+        for c in caches:
+            c.settle()  # quantise or evict what is due before the buffers are read
         emb = self.embed(tokens)
         emb = emb.astype(mx.float32) if emb.dtype != mx.float32 else emb
         mx.eval(emb)
         x = np.array(emb, np.float32)  # the kernel updates it in place
         del emb  # (freed with MLX's cache below)
-        n_cached = self._cache_buffers(caches, T)
+        # a quantised middle: the chunk reads the history dequantised, in sequence order at
+        # compacted positions (as MLX's route does for a prefill chunk: O(history) per layer
+        # next to the chunk's O(T x history) attention), from scratch buffers; new rows appended
+        scratch = self._history_buffers(caches) if any(c.quant is not None and c.quant.length for c in caches) \
+            else None
+        n_cached = self._cache_buffers(caches, T) if scratch is None else scratch
         # the kernel's scratch below is numpy's (a few [T, hidden] float32 arrays per thread and
         # shared), which MLX's buffer cache cannot serve: what that cache holds idle now (the
         # embedding's temporaries, a previous turn's caches: 22-30 MiB on 8 layers of a 7B model)
@@ -453,7 +522,7 @@ class FusedDecoder:
         # the kernel writes the chunk's K/V rows into the cache buffers themselves where no view
         # handed out covers them (as step does): no [layers, T, kv] copy of them (32 MiB for 256
         # tokens of a 7B model's 8 layers in float16, 128 MiB for all 32) on top of the buffers
-        in_place = self.write_in_place and all(c.full.writable_in_place(T) for c in caches)
+        in_place = scratch is None and self.write_in_place and all(c.full.writable_in_place(T) for c in caches)
         if in_place:
             k_out = v_out = np.empty((L, 0, kd), host)
         else:
@@ -472,6 +541,7 @@ class FusedDecoder:
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, self.prefill_block)
         del k_out, v_out
+        self._history = None  # the scratch history, if any
         if in_place:
             for c in caches:
                 c.wrote_in_place(T)
@@ -479,23 +549,81 @@ class FusedDecoder:
         k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
         for i, c in enumerate(caches):
-            c.update_and_fetch(k_new[i][None], v_new[i][None])
+            c.absorb(k_new[i][None], v_new[i][None])
         return self._head(x[-1])
 
+    def _history_buffers(self, caches: list) -> int:
+        """Each layer's history (``content()``: sinks, the middle dequantised and moved to its
+        compacted positions, the recent window) in host scratch buffers of the caches' K/V dtype,
+        their addresses in ``_kv_addr``/``_kv_size``/``_kv_stride`` as ``_cache_buffers`` leaves
+        them; returns the rows held. The chunk's own rows go to separate arrays (not in place)."""
+        self.adopt(caches)
+        host = KV_HOST[caches[0].full.keys.dtype]
+        held = {c.offset for c in caches}
+        if len(held) != 1:
+            raise ValueError("fused prefill: the layers' caches hold different token counts")
+        n = held.pop()
+        keep = []
+        for i, c in enumerate(caches):
+            k, v = c.content()
+            k, v = k.astype(c.full.keys.dtype), v.astype(c.full.keys.dtype)
+            mx.eval(k, v)
+            kf, vf = (np.ascontiguousarray(np.asarray(a)[0].view(host)) for a in (k, v))
+            keep += [kf, vf]
+            self._kv_addr[i] = kf.ctypes.data, vf.ctypes.data
+            self._kv_size[i] = kf.size
+            self._kv_stride[i] = n * self.head_dim
+        self._history = keep  # alive until the kernel has run
+        return n
 
-def _plain_caches(cache, n_layers: int) -> bool:
+
+def cache_refusal(cache, n_layers: int) -> str | None:
+    """None when the fused routes serve ``cache`` (one segmented cache per layer: prealloc and every
+    policy over it, sinks, windows, budgets, a quantised middle read as stored), else why not."""
     from cache.kv import SegmentedKVCache
 
     if not isinstance(cache, (list, tuple)) or len(cache) != n_layers:
-        return False
+        return "not one cache per layer"
     for c in cache:
-        if type(c) is not SegmentedKVCache and not issubclass(type(c), SegmentedKVCache):
-            return False
-        if c.quant is not None or c.budget is not None:
-            return False
+        if not isinstance(c, SegmentedKVCache):
+            return f"{type(c).__name__} caches (fused: the segmented caches)"
+        if c.quant is not None:
+            if c.quant.kind != "quant":
+                # the kernels read MLX's per-token groups; per-channel keys (KIVI) are transposed
+                # [head_dim, tokens] groups, which the step's per-token splits do not walk
+                return "keys quantised per channel (kv_key_layout channel: MLX's route)"
+            if c.quant.bits not in (4, 8) or c.quant.group_size not in (32, 64, 128):
+                return f"{c.quant.bits}-bit KV in groups of {c.quant.group_size}"
         if c.full.keys is not None and (c.full.keys.dtype not in KV_HOST or c.full.values.dtype != c.full.keys.dtype):
-            return False
-    return True
+            return f"K/V held as {c.full.keys.dtype}"
+    return None
+
+
+def _half_scales_native() -> bool:
+    from chatapp.kernels import half_scales_native
+
+    return half_scales_native()
+
+
+def _pin_quant(q) -> tuple:
+    """Host views of a quantised middle's six buffers ([1, kv_heads, capacity, width] each: packed
+    uint32 words read as bytes, scales and biases as the kernels read them) with their addresses,
+    element counts and head strides; the views keep the arrays alive."""
+    from chatapp.kernels.attention import heads_view
+
+    from .qlinear import scales_for_kernels
+
+    views, addrs, sizes, strides = [], [], [], []
+    for packed, scales, biases in (q.keys, q.values):
+        mx.eval(packed, scales, biases)
+        for j, a in enumerate((packed, scales, biases)):
+            h = np.asarray(a)[0].view(np.uint8) if j == 0 else np.asarray(scales_for_kernels(a))[0]
+            flat, stride = heads_view(h)
+            views.append(flat)
+            addrs.append(flat.ctypes.data)
+            sizes.append(flat.size)
+            strides.append(stride)
+    return tuple(views), np.array(addrs, np.int64), np.array(sizes, np.int64), np.array(strides, np.int64)
 
 
 # the K/V buffer dtypes the fused kernels read, and how they see them (float16 as its bits)
@@ -542,7 +670,7 @@ def _fused_class(base: type) -> type:
         def __call__(self, inputs, cache=None, **kwargs):
             dec = getattr(self, "_chatapp_fused", None)
             if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.ndim == 2
-                    and inputs.shape[0] == 1 and _plain_caches(cache, len(dec.layers))):
+                    and inputs.shape[0] == 1 and cache_refusal(cache, len(dec.layers)) is None):
                 dec.adopt(cache)  # the model's own call below writes them in the fused routes' dtype too
                 if inputs.shape[1] == 1:
                     token = int(inputs.item())

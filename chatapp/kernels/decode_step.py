@@ -43,6 +43,7 @@ from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
 from .llvm import atomic_add
 from .microkernels import A_ROWS
+from .quant_split import attend_quant_split, prepare_quant_queries
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
@@ -220,8 +221,8 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-               scale, q, k_new, v_new, k_out, part, act, fast=0, write_kv=0,
-               chunks=2 * CHUNKS_PER_THREAD):  # pragma: no cover - jitted
+               scale, q, k_new, v_new, k_out, part, act, fast, write_kv, chunks,
+               quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -235,7 +236,15 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     the caller appends them. q, k_new (before RoPE) [heads * D], part
     [group_attention.part_size floats] (the attention's per-split partials) and act [hidden] are
     shared scratch. ``chunks``: about how many chunks each projection is cut into (CHUNKS_PER_THREAD
-    per pool thread)."""
+    per pool thread).
+
+    A cache with a quantised middle (window-quant, quantized, scored-quant): ``quant`` = (k packed
+    bytes, k scales, k biases, v packed bytes, v scales, v biases) flat [kv_heads, capacity, width]
+    buffers with their head strides ``q_stride`` [6], ``n_quant`` rows held, ``q_bits``-bit in
+    groups of ``q_group`` (quant_split.py); the k_cache rows are then the sinks and the recent
+    window, and cos_q/sin_q the angles of the middle's position (the token's plus the cache's
+    rotation delta). ``n_quant`` 0: no middle (prealloc, window, scored). q_out [heads * D]
+    receives the roped queries (the scored caches' votes, the sparsity figure)."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -284,21 +293,42 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 2. attention: units of (KV head, key split) (group_attention.py), each leaving partials
     # of its G heads in the shared ``part``, merged by every thread after the barrier
+    # (a KV head's units: its S splits of the full-precision rows, then its Sq of the quantised middle)
     n_keys = n_cached + 1
     S = n_splits(n_kv_heads, n_keys)
-    n_units = n_kv_heads * S
+    Sq = n_splits(n_kv_heads, n_quant) if n_quant > 0 else 0
+    ST = S + Sq
+    n_units = n_kv_heads * ST
     per = (n_keys + S - 1) // S
+    per_q = (n_quant + Sq - 1) // Sq if Sq else 0
     G4 = (G + A_ROWS - 1) // A_ROWS * A_ROWS
-    L = per + 1
+    L = max(per + 1, per_q)
     s = np.empty(G4 * L, np.float32)
     o = np.empty(G4 * D, np.float32)
     qg = np.empty(G * D, np.float32)
     kr = np.empty(D, np.float32)
+    qq = np.empty(G * D, np.float32)
+    qsum = np.empty(G * D, np.float32)
+    q_base = np.empty(6, np.int64)
     while True:
         u = phase_claim(ctl, 1, n_units)
         if u < 0:
             break
-        kh, sp = u // S, u % S
+        kh, sp = u // ST, u % ST
+        if sp >= S:  # a split of the quantised middle, with the queries at its position
+            for g in range(G):
+                h = kh * G + g
+                for e in range(D):
+                    qg[g * D + e] = q[h * D + e]
+                apply_rope(qg[g * D:(g + 1) * D], cos_q, sin_q, traditional)
+            prepare_quant_queries(qg, G, D, q_bits, q_group, qq, qsum)
+            for i in range(6):
+                q_base[i] = kh * q_stride[i]
+            a = (sp - S) * per_q
+            attend_quant_split(qq, qsum, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
+                               scale, s, L, o, part, u * G * (D + SLOT))
+            phase_done(ctl, 1)
+            continue
         for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)
             kr[e] = k_new[kh * D + e]
         apply_rope(kr, cos, sin, traditional)
@@ -307,6 +337,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             for e in range(D):
                 qg[g * D + e] = q[h * D + e]
             apply_rope(qg[g * D:(g + 1) * D], cos, sin, traditional)
+            if sp == 0:
+                for e in range(D):
+                    q_out[h * D + e] = qg[g * D + e]
         a = sp * per
         b = min(n_keys, a + per)
         attend_split(qg, G, D, k_cache, kh * k_stride, v_cache, kh * v_stride, a, min(b, n_cached),
@@ -323,7 +356,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         phase_done(ctl, 1)
     phase_barrier(ctl, 1, n_units)
     attn = np.empty(n_heads * D, np.float32)
-    merge_splits(part, n_heads, n_kv_heads, S, D, attn)
+    merge_splits(part, n_heads, n_kv_heads, ST, D, attn)
 
     # 3. x += o_proj(attn)
     ka = n_heads * D
@@ -379,7 +412,8 @@ CTL_SIZE = 2 * LINE * PHASES
 def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like,
-               chunks):  # pragma: no cover - jitted
+               chunks, q_addr, q_size, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, scales_like,
+               q_out):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -391,16 +425,26 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     receive each layer's new V and roped K. fast [L] (int64): per layer, the product groups whose
     4-bit rows run against int8 activations (``cpu.numerics = fast``, int8dot.py; bits FAST_*).
     write_kv [L] (int64): per layer, whether the new K/V row goes into the cache buffers in
-    place at row n_cached (see layer_step). chunks: as layer_step's."""
+    place at row n_cached (see layer_step). chunks: as layer_step's. The quantised middle of each
+    layer (n_quant rows; 0: none): q_addr/q_size/q_stride [L, 6] its six buffers' addresses,
+    element counts and head strides (packed bytes as uint8, scales and biases with
+    ``scales_like``'s element type), cos_q/sin_q [L, D/2] its queries' angles; q_out [L, heads * D]
+    receives each layer's roped queries (see layer_step)."""
+    byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], kv_like)
+        qa, qs = q_addr[layer], q_size[layer]
+        quant = (kv_buffer(qa[0], qs[0], byte), kv_buffer(qa[1], qs[1], scales_like),
+                 kv_buffer(qa[2], qs[2], scales_like), kv_buffer(qa[3], qs[3], byte),
+                 kv_buffer(qa[4], qs[4], scales_like), kv_buffer(qa[5], qs[5], scales_like))
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                    group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
                    n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
-                   write_kv[layer], chunks)
+                   write_kv[layer], chunks, quant, q_stride[layer], n_quant, q_bits, q_group, cos_q[layer],
+                   sin_q[layer], q_out[layer])
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -80,6 +80,7 @@ def _pointer_at(dtype):
 
 f32_at = _pointer_at(types.float32)
 u16_at = _pointer_at(types.uint16)
+u8_at = _pointer_at(types.uint8)
 
 
 def kv_buffer(addr, size, like):  # pragma: no cover - replaced by the overload inside jitted code
@@ -89,12 +90,15 @@ def kv_buffer(addr, size, like):  # pragma: no cover - replaced by the overload 
 @overload(kv_buffer, inline="always")
 def _kv_buffer(addr, size, like):
     """The flat cache buffer at ``addr`` (``size`` elements) with ``like``'s element type
-    (float32, or uint16 for float16 bits): ``like`` is an empty array that picks the dtype."""
+    (float32, or uint16 for float16 bits; uint8 for a quantised buffer's packed bytes): ``like``
+    is an empty array that picks the dtype."""
     if not isinstance(like, types.Array):
         return None
     if like.dtype == types.float32:
         return lambda addr, size, like: carray(f32_at(addr), (size,))
     if like.dtype == types.uint16:
         return lambda addr, size, like: carray(u16_at(addr), (size,))
+    if like.dtype == types.uint8:
+        return lambda addr, size, like: carray(u8_at(addr), (size,))
     return None
 
