@@ -16,9 +16,11 @@ from .settings import CacheConfigError
 def _grown(buf: mx.array | None, needed: int, step: int, like: mx.array) -> mx.array:
     """A buffer with room for ``needed`` tokens, grown by whole chunks of ``step``."""
     have = 0 if buf is None else buf.shape[2]
-    if needed <= have:
+    if buf is not None and needed <= have:
         return buf
-    new_cap = ((needed + step - 1) // step) * step
+    # one chunk at least: a restored cache whose full-precision part holds no rows (a quantized
+    # cache right after a flush) still gets its buffers, which its readers expect
+    new_cap = max(1, (needed + step - 1) // step) * step
     B, H, _, D = like.shape
     # a buffer keeps its dtype (a float16 cache taking float32 rows stays float16)
     extra = mx.zeros((B, H, new_cap - have, D), like.dtype if buf is None else buf.dtype)
@@ -107,7 +109,7 @@ class FullBuffer(_TokenBuffer):
         given as keys and values covers a new buffer whole, MLX's slice update hands the update's
         own buffer back, making both the same memory (a 256-token prefill into an empty cache)."""
         end = self.length + n
-        if end <= self.capacity:
+        if end <= self.capacity and self.keys is not None:
             return
         self.pinned = None  # MLX may reuse the buffers only where no host view holds them
         if self.keys is None and self.dtype is not None:

@@ -31,6 +31,8 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
     source = caches[0]
     if source.mode == settings.mode and getattr(source, "settings", settings) == settings:
         return Conversion(caches, "unchanged", f"already {settings.mode}", 0.0)
+    for c in caches:  # maintenance due (an eviction) changes what each layer holds and has dropped
+        getattr(c, "settle", lambda: None)()
     target = make_caches(model, settings)
     evicted = getattr(source, "evicted", 0)
     if evicted and settings.budget is None:

@@ -243,6 +243,13 @@ class SegmentedKVCache(_CacheBase):
         if self._seen is not None:
             record(self._seen, queries, scale, self._held() - 1, self.evicted)
 
+    # how many of a prefill chunk's last queries the cache keeps (keep_chunk_queries): none here
+    chunk_queries_kept = 0
+
+    def keep_chunk_queries(self, queries, scale: float, n_tokens: int) -> None:
+        """The last roped queries (host floats [n, heads, D]) of a ``n_tokens`` chunk a native
+        prefill ran, for a cache whose ``chunk_queries_kept`` asks for them."""
+
     def reserve(self, n: int) -> bool:
         """Room for ``n`` more tokens now, rather than when they arrive, in a cache that keeps
         every token at full precision and already holds rows (nothing otherwise: the bounded

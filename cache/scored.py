@@ -148,6 +148,20 @@ class ScoredKVCache(SegmentedKVCache):
             del self._obs_host[:-self.observe]
         self._scale, self._since = scale, self._since + 1
 
+    @property
+    def chunk_queries_kept(self) -> int:
+        return self.observe
+
+    def keep_chunk_queries(self, queries, scale: float, n_tokens: int) -> None:
+        """A native prefill chunk's last roped queries (host floats [n, heads, D]): kept as
+        ``attend`` keeps a chunk's."""
+        q = mx.array(np.ascontiguousarray(queries.transpose(1, 0, 2)))[None]
+        prev = self._obs
+        if prev is not None and q.shape[2] < self.observe:
+            q = mx.concatenate([prev.astype(q.dtype), q], axis=2)
+        self._obs = q[:, :, -self.observe:, :]
+        self._scale, self._since = scale, self._since + n_tokens
+
     def _fit_scores(self, heads: int | None = None) -> None:
         """New tokens start at zero (they sit in the protected recent window while they gather mass)."""
         held = self._held()

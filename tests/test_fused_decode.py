@@ -35,9 +35,10 @@ def _model(bits=4, group_size=32, tied=True, traditional=True, seed=0, shape=SMO
     return m
 
 
-def _decode(model, prompt: list[int], steps: int, mode: str = "prealloc"):
-    """Greedy decode through chatapp's caches: (tokens, per-step logits, caches)."""
-    caches = make_caches(model, CacheSettings(mode=mode))
+def _decode(model, prompt: list[int], steps: int, mode: str | None = "prealloc", caches: list | None = None):
+    """Greedy decode through chatapp's caches (made for ``mode``, or ``caches``): (tokens,
+    per-step logits, caches)."""
+    caches = caches if caches is not None else make_caches(model, CacheSettings(mode=mode))
     logits = model(mx.array([prompt]), cache=caches)[0, -1]
     toks, outs = [], []
     for _ in range(steps):
@@ -105,14 +106,34 @@ def test_fused_step_matches_dequantize_then_matmul(bits, group_size, traditional
     assert _close(outs[1], outs[0])
 
 
-@pytest.mark.parametrize("mode", ["window-quant", "quantized", "concat"])
-def test_other_cache_modes_keep_the_per_op_step(mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["window", "window-quant", "quantized", "scored", "scored-quant"])
+def test_every_policy_takes_the_fused_step(mode, monkeypatch):
     ref, fast = _model(), _model()
     apply_fast_path(fast, backend="cpu", warm_up=False)
-    monkeypatch.setattr(FusedDecoder, "step", lambda *a: pytest.fail("fused step over a non-plain cache"))
+    calls = []
+    real = FusedDecoder.step
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, t, c: calls.append(t) or real(self, t, c))
     t_ref, _, _ = _decode(ref, [5, 6, 7], 4, mode)
     t_fast, _, _ = _decode(fast, [5, 6, 7], 4, mode)
-    assert t_fast == t_ref
+    assert t_fast == t_ref and calls == t_fast
+
+
+@pytest.mark.parametrize("settings_", [CacheSettings(mode="concat"),
+                                       CacheSettings(mode="window-quant", kv_key_layout="channel")])
+def test_concat_and_per_channel_keys_keep_the_per_op_step(settings_, monkeypatch):
+    """concat shows what per-token concatenation costs; keys quantised per channel are a layout
+    the step's kernels do not read (cache_refusal says so): both stay on MLX's route."""
+    from chatapp.backend.fused_decode import cache_refusal
+
+    ref, fast = _model(), _model()
+    apply_fast_path(fast, backend="cpu", warm_up=False)
+    monkeypatch.setattr(FusedDecoder, "step", lambda *a: pytest.fail("fused step over a cache it does not read"))
+    outs = []
+    for m in (ref, fast):
+        caches = make_caches(m, settings_)
+        outs.append(_decode(m, [5, 6, 7], 4, settings_.mode if settings_.mode == "concat" else None, caches)[0])
+    assert outs[0] == outs[1]
+    assert cache_refusal(make_caches(fast, settings_), SMOL.num_hidden_layers)
 
 
 def test_trim_then_decode_again_equals_mlx():

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cache import CacheSettings, make_caches  # noqa: E402
+from cache.kv import SegmentedKVCache  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
@@ -63,9 +64,11 @@ def test_fused_prefill_is_taken_for_session_chunks_only(monkeypatch):
     out = fast(mx.array([list(range(20))]), cache=make_caches(fast, CacheSettings()))
     want = ref(mx.array([list(range(20))]), cache=make_caches(ref, CacheSettings()))
     assert calls == [20] and out.shape == want.shape and _close(np.array(out), np.array(want))
-    # other cache modes keep MLX's route
+    # every segmented cache takes it too; concat (per-token concatenation, shown for its cost) does not
     _prefill(fast, [], list(range(20)), mode="window-quant")
-    assert calls == [20]
+    assert calls == [20, 20]
+    _prefill(fast, [], list(range(20)), mode="concat")
+    assert calls == [20, 20]
 
 
 def test_greedy_after_a_fused_prefill_equals_mlx():
@@ -194,7 +197,7 @@ def test_the_prefills_16_bit_down_proj_stays_far_closer_to_exact_than_int8(group
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
-def test_prefill_rows_written_in_place_equal_the_appended_ones(kv_dtype):
+def test_prefill_rows_written_in_place_equal_the_appended_ones(kv_dtype, monkeypatch):
     """The chunk's K/V written straight into the cache buffers (no [layers, T, kv] copy) are the
     bits the append through update_and_fetch leaves, after cached rows too; a chunk over rows a
     snapshot holds (after a trim) is appended through MLX and leaves the snapshot as it was."""
@@ -203,16 +206,18 @@ def test_prefill_rows_written_in_place_equal_the_appended_ones(kv_dtype):
     dec = model._chatapp_fused
     ids = [int(t) for t in mx.random.randint(0, 256, (45,), key=mx.random.key(4))]
     runs = []
+    appended = []
+    real = SegmentedKVCache.absorb
+    monkeypatch.setattr(SegmentedKVCache, "absorb", lambda self, k, v: appended.append(1) or real(self, k, v))
     for in_place in (True, False):
         dec.write_in_place = in_place
         caches = make_caches(model, CacheSettings(mode="prealloc"))
         logits = [dec.prefill(mx.array(ids[:20]), caches), dec.prefill(mx.array(ids[20:]), caches)]
-        # update_and_fetch hands the rows out (shared); rows written in place were never handed out
-        same = all(c.full.shared == 0 for c in caches)
-        runs.append((logits, [tuple(np.array(a) for a in c.full.view()) for c in caches], caches, same))
+        # rows written in place never go through an append; the other route appends each chunk
+        runs.append((logits, [tuple(np.array(a) for a in c.full.view()) for c in caches], caches, len(appended)))
     dec.write_in_place = True
-    (la, ka, ca, same_a), (lb, kb, _, same_b) = runs
-    assert same_a and not same_b
+    (la, ka, ca, appends_a), (lb, kb, _, appends_b) = runs
+    assert appends_a == 0 and appends_b == 2 * len(ca)
     assert all(np.array_equal(x, y) for x, y in zip(la, lb))
     assert all(np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1]) for x, y in zip(ka, kb))
     assert ka[0][0].dtype == {"float16": np.float16, "float32": np.float32}[kv_dtype]

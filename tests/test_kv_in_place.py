@@ -15,6 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cache import CacheSettings, make_caches  # noqa: E402
 from cache.buffers import FullBuffer  # noqa: E402
+from cache.kv import SegmentedKVCache  # noqa: E402
 from chatapp.backend.fused_decode import FusedDecoder  # noqa: E402
 from tests.fused_llama import _no_leftover_kernels, clear_kernels, fused_small_llama  # noqa: E402, F401
 
@@ -66,11 +67,17 @@ def test_buffer_rows_handed_out_are_never_writable():
     assert not buf.writable_in_place(1)
 
 
-def test_plain_caches_only(model):
-    caches = make_caches(model, CacheSettings(mode="window"))
-    caches[0].update_and_fetch(*[mx.zeros((1, 2, 1, 32))] * 2)
-    with pytest.raises(ValueError):
-        caches[0].wrote_in_place(1)
+def test_rows_written_in_place_wait_for_the_policy_maintenance(model):
+    """A native step settles a cache before writing into it: rows counted while an eviction or
+    a quantisation is due would land past what the policy keeps."""
+    cache = make_caches(model, CacheSettings(mode="window", sinks=1, window=4, evict_chunk=1))[0]
+    cache.absorb(*[mx.zeros((1, 2, 6, 32))] * 2)  # past sinks + window: eviction due
+    with pytest.raises(ValueError, match="settle"):
+        cache.wrote_in_place(1)
+    cache.settle()
+    assert cache.full.length == 5 and cache.full.writable_in_place(1)
+    cache.wrote_in_place(1)
+    assert cache.full.length == 6 and cache.offset == 5  # the next read evicts again
 
 
 def _run(model, prompt, ops, in_place: bool):
@@ -131,12 +138,12 @@ def test_steps_write_in_place_without_mlx_appends(model, monkeypatch):
     caches = make_caches(model, CacheSettings(mode="prealloc"))
     model(mx.array([[1, 2, 3]]), cache=caches)
     calls = []
-    real = type(caches[0]).update_and_fetch
-    monkeypatch.setattr(type(caches[0]), "update_and_fetch", lambda self, k, v: calls.append(1) or real(self, k, v))
+    real = SegmentedKVCache.absorb
+    monkeypatch.setattr(SegmentedKVCache, "absorb", lambda self, k, v: calls.append(1) or real(self, k, v))
     for t in (4, 5, 6):
         model(mx.array([[t]]), cache=caches)
     assert not calls and caches[0].offset == 6
-    # a trim below rows handed out sends the next row through MLX, then in place again
+    # a trim below rows handed out appends the next row through MLX, then in place again
     held = [c.state for c in caches]  # noqa: F841 - a snapshot of every layer
     for c in caches:
         c.trim(2)

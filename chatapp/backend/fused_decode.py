@@ -494,7 +494,7 @@ class FusedDecoder:
         numerics fast the products of prefill_mask on int8 activations, down_proj's on 16-bit
         ones, kernels/int8panel.py)."""
         from chatapp.kernels.pool import pool
-        from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_table
+        from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_rows, rope_table
 
         T = int(tokens.shape[0])
         KVH, D, L = self.n_kv_heads, self.head_dim, len(self.layers)
@@ -533,15 +533,25 @@ class FusedDecoder:
             mx.eval(k_all, v_all)
             k_out = np.frombuffer(memoryview(k_all), host).reshape(L, T, kd)
             v_out = np.frombuffer(memoryview(v_all), host).reshape(L, T, kd)
+        # the chunk's last queries for the caches that keep them (a scored cache's votes), as
+        # MLX's route hands them to attend(): roped, the step's scale apart
+        n_keep = min(T, max(c.chunk_queries_kept for c in caches))
+        q_keep = np.empty((L, n_keep, hd), np.float32)
         pool().broadcast(prefill_step, np.zeros(LAYER_CTL * L, np.int64), x, self._attn_norms, self._mlp_norms,
                          self._eps, *self._lists, self._bits, self.group_size, cos, sin, self.traditional,
                          self.n_heads, KVH, self._kv_addr, self._kv_size, self._kv_stride, n_cached, self.scale,
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32),
                          np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
-                         self.prefill_mask, self.prefill_block)
+                         self.prefill_mask, q_keep, self.prefill_block)
         del k_out, v_out
         self._history = None  # the scratch history, if any
+        if n_keep:
+            roped = rope_rows(q_keep.reshape(L, n_keep, self.n_heads, D), cos[T - n_keep:], sin[T - n_keep:],
+                              self.traditional)
+            for i, c in enumerate(caches):
+                if c.chunk_queries_kept:
+                    c.keep_chunk_queries(roped[i], float(self.scale), T)
         if in_place:
             for c in caches:
                 c.wrote_in_place(T)

@@ -220,7 +220,7 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, fast=0, act_block=0,
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, fast=0, act_block=0,
                   last_only=False):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
     its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
@@ -239,9 +239,13 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     decode's activation block above them is not read here): those products' 4-bit rows run on
     int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
-    ones (two int8 planes, the same blocks)."""
+    ones (two int8 planes, the same blocks). q_keep [n, heads * D] (n may be 0) receives the
+    chunk's last n queries before RoPE (a scored cache's votes; with ``last_only`` those rows'
+    queries are computed too, and their o_proj and MLP)."""
     T, dim = x.shape
-    t1 = T - 1 if last_only else 0  # the first row whose output past K and V is wanted
+    n_keep = q_keep.shape[0]
+    # the first row whose output past K and V is wanted
+    t1 = (T - max(1, n_keep) if n_keep < T else 0) if last_only else 0
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
     # down_proj on 16-bit activations (two int8 planes) unless FAST_DOWN puts it on int8
     down_planes = 2 if (fast & PREFILL_DOWN_WIDE) != 0 and not f_down else 1
@@ -290,6 +294,11 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
         n = min(ROW_TILE, w[0].shape[0] - r0)
         _tile_product(w, wb, group_size, r0, n, xin, dst, r0, no_add, tile_d, f_qkv, xqi, pan_d, unit)
+        if c < cq:  # the claimer copies its columns of the kept rows (a thread that arrives late
+            # must not: q may hold a later layer's queries by then)
+            for r in range(n_keep):
+                for e in range(r0, r0 + n):
+                    q_keep[r, e] = q[T - n_keep + r, e]
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n0)
 
@@ -350,7 +359,7 @@ LAYER_CTL = 2 * LINE * 5
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, act_block=0):  # pragma: no cover - jitted
+                 scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, act_block=0):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
@@ -362,7 +371,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     as token_step's (``cpu.numerics = fast``: those products on int8 activations, int8panel.py,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
     (FusedDecoder.prefill_mask). Each calling thread makes its own permuted-input buffer once for
-    all layers (prefill_layer's xbuf)."""
+    all layers (prefill_layer's xbuf). q_keep [L, n, heads * D] float32: each layer's last n
+    queries before RoPE (n = 0: none; ``rope_rows`` turns them)."""
     xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
@@ -371,10 +381,24 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, xbuf, fast[layer], act_block, layer == bits.shape[0] - 1)
+                      act, xbuf, q_keep[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin [n, D/2] for positions start .. start + n - 1 (as decode_step.rope_angles)."""
     theta = np.arange(start, start + n, dtype=np.float32)[:, None] * inv_freq[None, :]
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def rope_rows(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, traditional: bool) -> np.ndarray:
+    """x [..., n, heads, D] rotated by cos/sin [n, D/2] (decode_step.apply_rope's rule, vectorised)."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    if traditional:
+        a, b = x[..., 0::2], x[..., 1::2]
+        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
+    else:
+        half = cos.shape[1]
+        a, b = x[..., :half], x[..., half:]
+        out[..., :half], out[..., half:] = a * c - b * s, a * s + b * c
+    return out

@@ -1,0 +1,195 @@
+"""Every cache policy on the fused native steps (backend/fused_decode.py, kernels/quant_split.py)
+against MLX's own route: after random sequences of prefill chunks, decode steps, evictions,
+trims (regenerate / edit-last), mode switches (auto's conversion), snapshots and restores, the
+fused model's logits and its caches' contents equal those of the same model with no fused step,
+fed the same tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cache import CacheSettings, convert_caches, make_caches  # noqa: E402
+from cache.factory import restore_caches  # noqa: E402
+from chatapp.backend.cpu import apply_fast_path  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder, cache_refusal, is_fused  # noqa: E402
+from chatapp.backend.qlinear import last_position_only  # noqa: E402
+from tests.fused_llama import SHAPE, _no_leftover_kernels, small_llama  # noqa: E402, F401
+
+POLICIES = ("prealloc", "window", "quantized", "window-quant", "scored", "scored-quant")
+VOCAB = SHAPE.vocab_size
+
+
+def _settings(mode: str, bits: int = 8) -> CacheSettings:
+    """Small windows and budgets, so a few dozen tokens quantise, evict and re-rotate."""
+    return CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
+                         kv_bits=bits, kv_group_size=32)
+
+
+def _pair():
+    """The same random model twice: MLX's route, and fused with float32 K/V (so the caches'
+    contents compare at float32)."""
+    ref, fast = small_llama(), small_llama()
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert is_fused(fast)
+    return ref, fast
+
+
+def _content(caches) -> tuple[np.ndarray, np.ndarray]:
+    for c in caches:
+        c.settle()  # content() reads what is held, maintenance due or not
+    k, v = zip(*(c.content() for c in caches))
+    return np.stack([np.array(x) for x in k]), np.stack([np.array(x) for x in v])
+
+
+def _close(a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    return a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= tol * max(1.0, float(np.abs(b).max()))
+
+
+class _Run:
+    """One model's conversation: its caches and the logits of every call."""
+
+    def __init__(self, model, settings_: CacheSettings):
+        self.model, self.settings = model, settings_
+        self.caches = make_caches(model, settings_)
+
+    def prefill(self, tokens: list[int]) -> np.ndarray:
+        with last_position_only():  # as the session prefills: the last position's logits only
+            out = self.model(mx.array([tokens]), cache=self.caches)
+        return np.array(out[0, -1])
+
+    def step(self, token: int) -> np.ndarray:
+        return np.array(self.model(mx.array([[token]]), cache=self.caches)[0, -1])
+
+    def trim(self, n: int) -> None:
+        for c in self.caches:
+            c.trim(n)
+
+    def switch(self, mode: str) -> str:
+        self.settings = self.settings.with_(mode=mode)
+        conv = convert_caches(self.caches, self.model, self.settings)
+        if conv.action == "reprefill":
+            return conv.action
+        self.caches = conv.caches
+        return conv.action
+
+    def snapshot_restore(self) -> None:
+        states, metas = [c.state for c in self.caches], [c.meta_state for c in self.caches]
+        mx.eval(states)
+        self.caches = restore_caches(self.model, self.settings, states, metas)
+
+
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("prefill"), st.integers(2, 20)),
+    st.tuples(st.just("decode"), st.integers(1, 24)),
+    st.tuples(st.just("trim"), st.integers(1, 6)),
+    st.tuples(st.just("switch"), st.sampled_from(POLICIES)),
+    st.tuples(st.just("snapshot"), st.just(0)),
+), min_size=3, max_size=9)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(POLICIES), bits=st.sampled_from([4, 8]), ops=_ops, seed=st.integers(0, 10_000))
+def test_fused_policies_equal_mlx_route(mode, bits, ops, seed):
+    ref, fast = _pair()
+    runs = [_Run(ref, _settings(mode, bits)), _Run(fast, _settings(mode, bits))]
+    rng = np.random.default_rng(seed)
+    # K/V is quantised from float32 rows on both routes, but the rows differ in their last bits
+    # (the kernel sums in another order), which can move an element across a rounding step: the
+    # contents' bound is one step of the widest group (2 x |max| / levels), and their mean error
+    # stays small; the logits' bound is looser where anything is quantised
+    tol = 5e-3 if bits == 8 else 3e-2
+    step = 2.0 / (2 ** bits - 1)
+    for op, arg in [("prefill", 6)] + ops:
+        if op == "prefill":
+            toks = [int(t) for t in rng.integers(0, VOCAB, arg)]
+            outs = [r.prefill(toks) for r in runs]
+        elif op == "decode":
+            outs = []
+            toks = [int(t) for t in rng.integers(0, VOCAB, arg)]
+            for t in toks:
+                outs = [r.step(t) for r in runs]
+                assert _close(outs[1], outs[0], tol), (op, t)
+        elif op == "trim":
+            for r in runs:
+                r.trim(arg)
+            continue
+        elif op == "switch":
+            actions = {r.switch(arg) for r in runs}
+            assert len(actions) == 1
+            if actions == {"reprefill"}:
+                return  # history a window dropped cannot come back: the session re-prefills
+            continue
+        else:
+            for r in runs:
+                r.snapshot_restore()
+            continue
+        assert _close(outs[1], outs[0], tol), op
+        assert cache_refusal(runs[1].caches, SHAPE.num_hidden_layers) is None
+    held = [r.caches[0].offset for r in runs]
+    assert held[0] == held[1]
+    assert [c.evicted for c in runs[0].caches] == [c.evicted for c in runs[1].caches]
+    if held[0]:
+        (k0, v0), (k1, v1) = (_content(r.caches) for r in runs)
+        quantised = any(c.usage().quant_tokens for c in runs[0].caches)
+        for a, b in ((k1, k0), (v1, v0)):
+            assert _close(a, b, step + 1e-4 if quantised else 1e-4)
+            assert float(np.abs(a - b).mean()) <= 1e-3 * max(1.0, float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("mode", ["window-quant", "scored-quant", "quantized"])
+def test_a_decode_step_reads_the_quantised_middle_in_place(mode, monkeypatch):
+    """With tokens in the middle, the fused step serves the decode (no MLX attention runs) and the
+    middle is never dequantised for it."""
+    import cache.buffers as buffers
+    import cache.kv as kv
+
+    ref, fast = _pair()
+    run = _Run(fast, _settings(mode))
+    run.prefill(list(range(1, 17)))
+    for t in range(40):
+        run.step(t)
+    assert run.caches[0].usage().quant_tokens > 0
+    steps = []
+    real = FusedDecoder.step
+    monkeypatch.setattr(FusedDecoder, "step", lambda self, t, c: steps.append(t) or real(self, t, c))
+    monkeypatch.setattr(kv, "attend_mixed", lambda *a, **k: pytest.fail("MLX's mixed attention ran"))
+    monkeypatch.setattr(buffers.QuantBuffer, "dequantized", lambda *a, **k: pytest.fail("the middle was dequantised"))
+    for t in range(5):
+        run.step(t)
+    assert steps == list(range(5))
+
+
+def test_scored_votes_come_from_the_fused_steps_queries():
+    """The scored caches choose what to evict from their last queries' attention: the fused step
+    hands them the roped queries it computed, the same as MLX's route keeps."""
+    ref, fast = _pair()
+    runs = [_Run(ref, _settings("scored")), _Run(fast, _settings("scored"))]
+    for r in runs:
+        r.prefill(list(range(3, 13)))
+        for t in range(60):
+            r.step((7 * t) % VOCAB)
+    (a, b) = (r.caches[0] for r in runs)
+    assert a.evicted == b.evicted > 0 and a.last_dropped == b.last_dropped
+    assert _close(np.array(b._obs), np.array(a._obs), 1e-4)
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 23])
+def test_scored_votes_come_from_the_fused_prefills_queries(chunk):
+    """A prefill chunk's last queries (up to the observation window) are the next votes: the fused
+    prefill hands every layer's over, roped at their positions, as MLX's route keeps them (the last
+    layer, which computes past K/V for the chunk's last row only, computes those rows' queries too)."""
+    ref, fast = _pair()
+    runs = [_Run(ref, _settings("scored")), _Run(fast, _settings("scored"))]
+    for r in runs:
+        r.prefill(list(range(3, 3 + chunk)))
+        r.prefill(list(range(40, 40 + chunk)))
+    for a, b in zip(*(r.caches for r in runs)):
+        assert b._obs.shape == a._obs.shape and _close(np.array(b._obs), np.array(a._obs), 1e-4)
+        assert b._since == a._since == 2 * chunk
