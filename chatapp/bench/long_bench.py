@@ -370,6 +370,9 @@ def build_report(args, rows: list[Row], info: dict, targets: list) -> BenchRepor
                       f"{args.target_tokens} tokens, per cache mode", COLUMNS)
     mib = 2**20
     for r in rows:
+        if not r.ran:  # refused, stopped or failed: the note says which
+            rep.add(r.turn, r.mode, "-", r.held or "-", "-", "-", "-", "-", "-", "-", r.route, r.note[:100])
+            continue
         rep.add(r.turn, r.mode, r.conversation, r.held, r.new, round(r.ttft_ms, 1), round(r.prefill_tok_s, 1),
                 round(r.decode_tok_s, 1), round(r.kv_held / mib, 2), round(r.kv_allocated / mib, 2), r.route,
                 r.note[:100])
@@ -378,7 +381,8 @@ def build_report(args, rows: list[Row], info: dict, targets: list) -> BenchRepor
                     target_tokens=args.target_tokens, cache=cache_knobs(args), threads=args.threads,
                     pause_s=args.pause)
     rep.meta["targets"] = targets
-    rep.meta["turns"] = [asdict(r) for r in rows]
+    # every row in full (notes uncut); a turn that did not run has null rates (JSON has no NaN)
+    rep.meta["turns"] = [{k: (None if v != v else v) for k, v in asdict(r).items()} for r in rows]
     return rep
 
 
