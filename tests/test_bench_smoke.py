@@ -124,3 +124,47 @@ def check_long(tmp_path: Path, out: subprocess.CompletedProcess) -> None:
 
 
 CHECKS = {"long": check_long}
+
+
+FAKE_LLAMA = '''
+class Llama:
+    """Just enough of llama_cpp.Llama: a context of 40 tokens that raises past it, as llama_decode does."""
+
+    def __init__(self, model_path, n_ctx, **kw):
+        self.n_tokens = 0
+
+    def n_ctx(self):
+        return 40
+
+    def eval(self, ids):
+        if self.n_tokens + len(ids) > 40:
+            raise RuntimeError("llama_decode returned 1")
+        self.n_tokens += len(ids)
+
+    def sample(self, top_k, temp):
+        return 7
+'''
+
+
+def test_long_llama_peer_keeps_its_cache_and_reports_past_n_ctx(tmp_path, monkeypatch):
+    """bench long's llama.cpp peer (its own process, one JSON line per turn) on a stand-in
+    llama_cpp: its cache grows across turns; past n_ctx the row says what it raised, and later
+    turns say it stopped."""
+    from argparse import Namespace
+
+    from chatapp.bench.long_bench import LlamaPeer
+
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    peer = LlamaPeer(Namespace(model="m.gguf", threads=0, reply_tokens=4))
+    try:
+        assert peer.info["n_ctx"] == 40
+        rows = [peer.turn(list(range(n)), t) for t, n in enumerate((10, 12, 20, 5), start=1)]
+    finally:
+        peer.close()
+    assert [r.held for r in rows[:2]] == [13, 28]  # the new tokens and 3 fed reply tokens, kept across turns
+    assert rows[0].ran and rows[0].decode_tok_s > 0 and rows[0].ttft_ms > 0 and rows[1].new == 12
+    assert not rows[2].ran and "past n_ctx (48 > 40 tokens)" in rows[2].note and "llama_decode" in rows[2].note
+    assert not rows[3].ran and "stopped" in rows[3].note
+    assert peer.proc.returncode == 0

@@ -210,7 +210,8 @@ class LlamaPeer:
         self._spec = f.name
         self.proc = subprocess.Popen([sys.executable, "-m", "chatapp.bench.long_peer", f.name],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                         [str(REPO)] + [x for x in [os.environ.get("PYTHONPATH")] if x])})
         self.info = self._read()
         self.stopped = False
 
@@ -225,9 +226,14 @@ class LlamaPeer:
         if self.stopped:
             row.note = "stopped at an earlier turn"
             return row
-        self.proc.stdin.write(json.dumps(ids) + "\n")
-        self.proc.stdin.flush()
-        res = self._read()
+        try:
+            self.proc.stdin.write(json.dumps(ids) + "\n")
+            self.proc.stdin.flush()
+            res = self._read()
+        except (OSError, RuntimeError, ValueError) as e:  # the process died: say so, the chat goes on
+            self.stopped = True
+            row.note = f"llama.cpp peer failed: {e}"
+            return row
         if "error" in res:
             self.stopped = True
             row.held = res.get("held", 0)
@@ -258,7 +264,11 @@ def _llama_peer(args, log) -> LlamaPeer | None:
     if not str(args.model).endswith(".gguf"):
         log("# llama.cpp: --model is not a GGUF file; skipped")
         return None
-    return LlamaPeer(args)
+    try:
+        return LlamaPeer(args)
+    except (OSError, RuntimeError, ValueError) as e:
+        log(f"# llama.cpp: the peer did not start ({e}); skipped")
+        return None
 
 
 # ---- the run ------------------------------------------------------------------------------------
