@@ -25,6 +25,7 @@ BENCHES = {
     "distributed": "chatapp.bench.distributed_bench",
     "numerics": "chatapp.bench.numerics_bench",
     "recall": "chatapp.bench.recall_bench",
+    "long": "chatapp.bench.long_bench",
 }
 
 

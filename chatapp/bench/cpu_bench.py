@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", default="128,1024", help="comma-separated prompt lengths (default 128,1024)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="transformer layers (default 4)")
+    p.add_argument("--hidden", type=int, default=SHAPE["hidden_size"],
+                   help="hidden size, a multiple of 128 (heads of 128, intermediate 2.75x; default 2048)")
+    p.add_argument("--vocab", type=int, default=SHAPE["vocab_size"], help="vocabulary (default 32000)")
     p.add_argument("--threshold", type=int, default=16, help="dense_prefill_threshold (default 16)")
     p.add_argument("--dense-weights", choices=("auto", "on", "off"), default="auto",
                    help="keep float32 copies of the weights (default auto: only where no kernel applies)")
@@ -208,6 +211,16 @@ def layer_table(dim: int, seed: int = 0) -> BenchReport:
     return rep
 
 
+def bench_shape(args: argparse.Namespace) -> dict:
+    """SHAPE at ``--layers``, ``--hidden`` and ``--vocab`` (smaller ones: a smoke test in seconds)."""
+    if args.hidden < 128 or args.hidden % 128 or args.vocab < 2 or args.layers < 1:
+        raise SystemExit("--hidden needs a multiple of 128, --vocab >= 2, --layers >= 1")
+    heads = args.hidden // SHAPE["head_dim"]
+    return {**SHAPE, "num_hidden_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "intermediate_size": args.hidden * 11 // 4 // 64 * 64,
+            "vocab_size": args.vocab}
+
+
 def run(args: argparse.Namespace) -> int:
     if args.model:
         from chatapp.bench.cpu_gguf import run_gguf
@@ -234,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
               "will not be fast. `chatapp bench cpu` relies on the CLI calling preload_blas() before mlx "
               f"is imported; without it launch: {LAUNCHER}")
 
-    shape = LlamaShape(**{**SHAPE, "num_hidden_layers": args.layers})
+    shape = LlamaShape(**bench_shape(args))
     plain, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
     fast, _ = build_random_llama(shape, seed=args.seed, quantize_bits=4)
     plan = apply_fast_path(fast, backend="cpu", dense_prefill_threshold=args.threshold,
