@@ -41,11 +41,15 @@ class _CacheBase:
     mode: str = ""
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """mlx-lm's ``create_attention_mask`` for this cache: a windowed mask whenever the model
+        asks for a window (a decode step too: the window may already exclude early tokens)."""
         offset = self.offset
+        if window_size is not None:
+            return create_causal_mask(N, offset, window_size=window_size)
         if N == 1:
             return None
-        if return_array or (window_size and N > window_size):
-            return create_causal_mask(N, offset, window_size=window_size)
+        if return_array:
+            return create_causal_mask(N, offset)
         return "causal"
 
     def is_trimmable(self) -> bool:
@@ -213,6 +217,24 @@ class SegmentedKVCache(_CacheBase):
             return self.full.view()
         self._awaiting_attend = self._dispatched is None
         return self.content()
+
+    def serves(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``keys``/``values``, passed to attention, are what ``update_and_fetch`` handed
+        the model (all held tokens, or the full-precision part), so that ``attend`` may compute
+        the attention from the cache itself. Absorbed multi-head latent attention (DeepSeek V3)
+        caches latents and attends over arrays made from them: those must be used as passed."""
+        fk, fv = self.full.keys, self.full.values
+        if fk is None:
+            return False
+        n = keys.shape[2]
+        return (n in (self._held(), self.full.length) and values.shape[2] == n
+                and keys.shape[1] == fk.shape[1] and keys.shape[3] == fk.shape[3]
+                and values.shape[1] == fv.shape[1] and values.shape[3] == fv.shape[3])
+
+    def decline_attend(self) -> None:
+        """The model's attention does not go through ``attend`` (``serves`` said no): hand it the
+        whole held history from every ``update_and_fetch`` from now on."""
+        self._dispatched, self._awaiting_attend = False, False
 
     def wrote_in_place(self, n: int) -> None:
         """Count ``n`` tokens that a native decode step wrote into ``full``'s buffers in place
