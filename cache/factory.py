@@ -28,6 +28,8 @@ class ModelGeometry:
 
 
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "temporal_block")
+# attributes that mark a module as attention over a K/V cache (not a recurrent mixer)
+_KV_PROJECTIONS = ("k_proj", "head_dim", "kv_lora_rank", "wk", "qkv_proj", "query_key_value", "Wqkv", "c_attn", "k")
 _ROPE_NAMES = ("rope", "rotary_emb", "rotary", "rotary_embedding", "pos_emb")
 
 
@@ -48,8 +50,7 @@ def _find_attention(layers, slots: list) -> Any:
     for i in order:
         for name in _ATTENTION_NAMES:
             attn = getattr(layers[i], name, None)
-            if attn is not None and any(hasattr(attn, a) for a in ("k_proj", "head_dim", "kv_lora_rank", "wk", "qkv_proj",
-                                                                    "query_key_value", "Wqkv", "c_attn", "k")):
+            if attn is not None and any(hasattr(attn, a) for a in _KV_PROJECTIONS):
                 return attn
     return None
 
@@ -130,7 +131,17 @@ def check_settings(settings: CacheSettings, geom: ModelGeometry) -> None:
     if settings.evicts:
         if geom.rope is None:
             raise CacheConfigError("mode: this model has no RoPE module the cache can use to re-position keys")
-        check_pure_rotation(geom.rope, geom.head_dim)
+        if not geom.head_dim:
+            raise CacheConfigError(f"mode: cannot find this model's head_dim, so {settings.mode} cannot re-position "
+                                   "its keys; use prealloc, quantized or concat")
+        try:
+            check_pure_rotation(geom.rope, geom.head_dim)
+        except (ValueError, TypeError) as e:
+            if isinstance(e, CacheConfigError):
+                raise
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CacheConfigError(f"mode: this model's RoPE cannot re-position cached keys ({why}); "
+                                   "use prealloc, quantized or concat") from None
 
 
 def make_caches(model, settings: CacheSettings, geometry: ModelGeometry | None = None) -> list:
@@ -143,7 +154,16 @@ def make_caches(model, settings: CacheSettings, geometry: ModelGeometry | None =
     install_attention(model)
     cls = CACHE_CLASSES[settings.mode]
     repos = Repositioner(geom.rope) if geom.rope is not None else None
-    return [cls(settings, repositioner=repos) if takes_policy(s) else s for s in model_layout(model)]
+    caches = [cls(settings, repositioner=repos) if takes_policy(s) else s for s in model_layout(model)]
+    if geom.layout or len(caches) != geom.n_layers:
+        # Layers here may read another layer's K/V (shared caches, loops, hybrids): every fetch
+        # must hand out the whole held history, never only the full-precision part that attend()
+        # completes for the one call that follows.
+        for c in caches:
+            decline = getattr(c, "decline_attend", None)
+            if decline is not None:
+                decline()
+    return caches
 
 
 def reserve_tokens(caches: list, n: int) -> bool:

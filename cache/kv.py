@@ -96,6 +96,9 @@ class ConcatKVCache(_CacheBase):
         """Take tokens outside a model step (conversion, restore)."""
         self.update_and_fetch(keys, values)
 
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
+
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
         if n:
@@ -222,19 +225,36 @@ class SegmentedKVCache(_CacheBase):
         """Whether ``keys``/``values``, passed to attention, are what ``update_and_fetch`` handed
         the model (all held tokens, or the full-precision part), so that ``attend`` may compute
         the attention from the cache itself. Absorbed multi-head latent attention (DeepSeek V3)
-        caches latents and attends over arrays made from them: those must be used as passed."""
-        fk, fv = self.full.keys, self.full.values
-        if fk is None:
+        caches latents and attends over arrays made from them (a decode step passes the cached
+        keys as both keys and values): those must be used as passed."""
+        held = self.full._held_view
+        if held is not None and keys is held[0] and values is held[1]:
+            return True
+        if not self._quant_len() or keys is values:
             return False
-        n = keys.shape[2]
-        return (n in (self._held(), self.full.length) and values.shape[2] == n
-                and keys.shape[1] == fk.shape[1] and keys.shape[3] == fk.shape[3]
-                and values.shape[1] == fv.shape[1] and values.shape[3] == fv.shape[3])
+        # a quantised history handed out whole (content(): new arrays on every call)
+        fk, fv = self.full.keys, self.full.values
+        n = self._held()
+        return (keys.shape[2] == n and values.shape[2] == n and keys.shape[1] == fk.shape[1]
+                and keys.shape[3] == fk.shape[3] and values.shape[1] == fv.shape[1] and values.shape[3] == fv.shape[3])
 
     def decline_attend(self) -> None:
         """The model's attention does not go through ``attend`` (``serves`` said no): hand it the
         whole held history from every ``update_and_fetch`` from now on."""
         self._dispatched, self._awaiting_attend = False, False
+
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        """mlx-lm 0.32's name for the held K/V (layers that share another layer's K/V read it,
+        e.g. afm7's KV-reuse layers): full precision, in sequence order."""
+        return self.content()
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self.content()[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return self.content()[1]
 
     def wrote_in_place(self, n: int) -> None:
         """Count ``n`` tokens that a native decode step wrote into ``full``'s buffers in place

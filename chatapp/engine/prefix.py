@@ -56,7 +56,7 @@ def warm_start(session: "Session", prompt: list[int], stats: TurnStats) -> None:
     logits. Time spent (lookup, reading, conversion) is the turn's, so it counts in the TTFT.
     """
     source = session.prefix_source
-    if source is None or session.cached or len(prompt) < 2:
+    if source is None or session.cached or len(prompt) < 2 or not session.stores_kv:
         return
     t0 = time.perf_counter()
     hit = source.lookup(prompt[:-1])
