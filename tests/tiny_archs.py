@@ -105,16 +105,18 @@ def registry() -> list[str]:
     return sorted(names)
 
 
-def _config(name: str) -> dict[str, Any]:
+def _config(name: str, **changes) -> dict[str, Any]:
     cfg = dict(TINY, model_type=name)
     cfg.update(OVERRIDES.get(name, {}))
+    cfg.update(changes)
     text = dict(cfg)
     cfg["text_config"] = text  # the multimodal wrappers take the text model's fields here
     return cfg
 
 
-def build(name: str, seed: int = 0) -> Arch:
-    """A tiny random float32 model of architecture ``name``, or why there is none."""
+def build(name: str, seed: int = 0, **changes) -> Arch:
+    """A tiny random float32 model of architecture ``name`` (``changes`` to the tiny config), or
+    why there is none."""
     if name in CRASHES_PROCESS:
         return Arch(name, skipped=CRASHES_PROCESS[name])
     try:
@@ -122,7 +124,7 @@ def build(name: str, seed: int = 0) -> Arch:
     except BaseException as e:  # noqa: BLE001
         return Arch(name, skipped=f"import: {type(e).__name__}: {str(e)[:80]}")
     try:
-        args = mod.ModelArgs.from_dict(_config(name))
+        args = mod.ModelArgs.from_dict(_config(name, **changes))
     except Exception as e:  # noqa: BLE001
         return Arch(name, skipped=f"config: {type(e).__name__}: {str(e)[:100]}")
     mx.random.seed(seed)
