@@ -17,7 +17,7 @@ _WHERE = {
     "Conversion": "convert", "convert_caches": "convert",
     "ModelGeometry": "factory", "check_settings": "factory", "make_caches": "factory", "model_geometry": "factory",
     "reserve_tokens": "factory",
-    "CACHE_CLASSES": "kv", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantizedKVCache": "kv",
+    "CACHE_CLASSES": "kv", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantStartKVCache": "kv",
     "SegmentedKVCache": "kv", "WindowKVCache": "kv", "WindowQuantKVCache": "kv",
     "ScoredKVCache": "scored",
     "MODES": "settings", "CacheConfigError": "settings", "CacheSettings": "settings",

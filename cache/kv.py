@@ -66,6 +66,26 @@ class _CacheBase:
         """Bytes really held (not the allocated buffer); ``usage()`` has both."""
         return self.usage().bytes_held
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batched cache of several single-sequence caches (``BatchKVCache``: full
+        precision, left-padded), as mlx-lm's ``KVCache.merge`` gives."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        return BatchKVCache.merge(caches)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's ``QuantizedKVCache`` holding this cache's tokens (as ``KVCache.to_quantized``)."""
+        from mlx_lm.models.cache import QuantizedKVCache as MlxQuantizedKVCache
+
+        q = MlxQuantizedKVCache(group_size=group_size, bits=bits)
+        k, v = self.content()
+        if k is not None:
+            q.keys = mx.quantize(k, group_size=group_size, bits=bits)
+            q.values = mx.quantize(v, group_size=group_size, bits=bits)
+            q.offset = k.shape[2]
+        return q
+
 
 class ConcatKVCache(_CacheBase):
     """The naive cache: ``mx.concatenate`` on every token, copying the whole history each step."""
@@ -454,6 +474,8 @@ class SegmentedKVCache(_CacheBase):
         if self.quant is not None:
             self.quant = quant_buffer(self.settings)
         if v:
+            if not v[0].shape[2]:  # every token quantised: buffers of the rows' shape, none written
+                self.full.reserve(1, v[0], v[1])
             self.full.append(v[0], v[1])
         if len(v) == 8:
             n = v[2].shape[2]
@@ -490,6 +512,33 @@ class SegmentedKVCache(_CacheBase):
         self.state = state
         self.meta_state = meta_state
 
+    @classmethod
+    def from_state(cls, state, meta_state=("0", "0")):
+        """A cache holding ``state`` (mlx-lm's ``load_prompt_cache`` calls this with the state
+        alone). mlx-lm's file keeps no settings, so the quantisation bits and group size are read
+        from the arrays' shapes; the evicting modes need the model's RoPE and their window
+        settings, which it does not keep either: chatapp's own snapshots (chatapp/store) do."""
+        mode = next((m for m, k in CACHE_CLASSES.items() if k is cls), None)
+        if mode is None or CacheSettings(mode=mode).evicts:
+            raise NotImplementedError(
+                f"{cls.__name__}.from_state: a {mode or cls.__name__} cache needs the model's RoPE and its window "
+                "settings, which mlx-lm's prompt-cache files do not keep; save it with chatapp's KV snapshots")
+        state = list(state)
+        settings = CacheSettings(mode=mode)
+        if len(state) == 8:  # values quantised per token: packed [.., D * bits / 32], scales [.., D / group]
+            d = state[1].shape[-1]
+            bits, group = state[5].shape[-1] * 32 // d, d // max(1, state[6].shape[-1])
+            settings = settings.with_(kv_bits=bits, kv_group_size=group)
+        last: Exception | None = None
+        for layout in ("token", "channel"):
+            c = cls(settings.with_(kv_key_layout=layout))
+            try:
+                c.load_state(state, tuple(meta_state))
+                return c
+            except CacheStateError as e:
+                last = e
+        raise last
+
 
 
 class PreallocKVCache(SegmentedKVCache):
@@ -500,7 +549,7 @@ class PreallocKVCache(SegmentedKVCache):
         super().__init__(settings)
 
 
-class QuantizedKVCache(SegmentedKVCache):
+class QuantStartKVCache(SegmentedKVCache):
     """Full precision until ``quant_start`` tokens, then quantised ``evict_chunk`` at a time.
 
     Up to ``evict_chunk - 1`` of the newest tokens wait at full precision for the next chunk
@@ -530,7 +579,23 @@ class WindowQuantKVCache(SegmentedKVCache):
 CACHE_CLASSES: dict[str, type] = {
     "concat": ConcatKVCache,
     "prealloc": PreallocKVCache,
-    "quantized": QuantizedKVCache,
+    "quantized": QuantStartKVCache,
     "window": WindowKVCache,
     "window-quant": WindowQuantKVCache,
 }
+
+
+def register_with_mlx_lm(*classes: type) -> None:
+    """Make ``classes`` known to mlx-lm's ``load_prompt_cache`` (and ``CacheList.state``), which
+    look cache classes up by name in ``mlx_lm.models.cache``; chatapp's names never shadow one
+    of mlx-lm's own."""
+    import mlx_lm.models.cache as mlx_cache
+
+    for cls in classes:
+        there = getattr(mlx_cache, cls.__name__, None)
+        if there is not None and there is not cls:
+            raise RuntimeError(f"{cls.__name__} is already one of mlx-lm's cache classes")
+        setattr(mlx_cache, cls.__name__, cls)
+
+
+register_with_mlx_lm(*CACHE_CLASSES.values())
