@@ -103,3 +103,22 @@ def test_policy_caches_replace_only_the_full_attention_slots():
         else:
             assert type(b) is type(a) and b.max_size == a.max_size
     assert total_usage(ours).tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["concat", "prealloc"])
+def test_gemma3_sliding_layers_give_mlx_lms_logits_past_their_512_token_window(mode):
+    """Gemma 3's real window (512): the full-precision modes match mlx-lm's own caches past it."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = model_of("gemma3_text", sliding_window=512, sliding_window_pattern=2, num_hidden_layers=2)
+    seq = [(5 * i + 1) % 250 + 1 for i in range(530)]
+
+    def logits(caches):
+        out = [model(mx.array([seq[:256]]), cache=caches)[0, -1:], model(mx.array([seq[256:520]]), cache=caches)[0]]
+        out += [model(mx.array([[t]]), cache=caches)[0] for t in seq[520:]]
+        return mx.concatenate(out, axis=0)
+
+    ref = logits(make_prompt_cache(model))
+    got = logits(make_caches(model, CacheSettings(mode=mode)))
+    assert float(mx.abs(got - ref).max()) <= 1e-4 * float(mx.abs(ref).max())

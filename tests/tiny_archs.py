@@ -69,13 +69,30 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "llama": dict(layer_types=_SLIDE_FULL),
     "gemma3n": dict(layer_types=_SLIDE_FULL),
     "gemma4_text": dict(layer_types=_SLIDE_FULL, num_kv_shared_layers=0),
-    "exaone4": dict(layer_types=_SLIDE_FULL),
+    "gemma4": dict(layer_types=_SLIDE_FULL, num_kv_shared_layers=0),
     "qwen3_next": dict(full_attention_interval=2),
     "qwen3_5": dict(full_attention_interval=2),
     "lfm2": dict(full_attn_idxs=[1, 3]),
     "lfm2_moe": dict(full_attn_idxs=[1, 3]),
+    "exaone4": dict(sliding_window_pattern="LLLG"),
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"] * (LAYERS // 2), mamba_n_heads=4, mamba_d_head=32,
+                             mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1, mamba_conv_bias=True),
+    "nemotron_h": dict(hybrid_override_pattern=["M", "*", "-", "E"]),
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64),
+    "llama4": dict(interleave_moe_layer_step=2, no_rope_layers=[], num_experts_per_tok=1),
+    "llama4_text": dict(interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0]),
+    "afmoe": dict(layer_types=_SLIDE_FULL),
+    "mellum": dict(layer_types=_SLIDE_FULL, rope_parameters={t: {"rope_theta": 10000.0} for t in _SLIDE_FULL}),
+    "gear": dict(layer_types=_SLIDE_FULL),
+    "exaone_moe": dict(layer_types=_SLIDE_FULL),
 }
 
+
+# Second configs of an architecture, for layouts its first config does not reach (KV shared
+# between layers: fewer caches than layers): "module:variant" -> changes to the tiny config.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "gemma4_text:kv_shared": dict(num_kv_shared_layers=2),
+}
 
 # Architectures whose tiny model takes the whole process down inside mlx-lm / MLX itself (a
 # segfault in the forward pass, before any chatapp cache is involved): skipped with the reason.
@@ -102,7 +119,7 @@ def registry() -> list[str]:
             continue
         if hasattr(mod, "Model") and hasattr(mod, "ModelArgs"):
             names.append(m.name)
-    return sorted(names)
+    return sorted(names + [v for v in VARIANTS if v.split(":")[0] in names])
 
 
 def _config(name: str, **changes) -> dict[str, Any]:
@@ -119,6 +136,11 @@ def build(name: str, seed: int = 0, **changes) -> Arch:
     why there is none."""
     if name in CRASHES_PROCESS:
         return Arch(name, skipped=CRASHES_PROCESS[name])
+    if ":" in name:
+        changes = {**VARIANTS[name], **changes}
+        arch = build(name.split(":")[0], seed, **changes)
+        arch.name = name
+        return arch
     try:
         mod = importlib.import_module(f"mlx_lm.models.{name}")
     except BaseException as e:  # noqa: BLE001
