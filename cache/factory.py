@@ -25,6 +25,7 @@ class ModelGeometry:
     latent: bool = False  # multi-head latent attention: the cache holds latents, not rotated keys
     layout: str = ""  # the model's own non-KVCache slots in words (cache/layers.py kinds), "" for none
     n_caches: int = 0  # slots in the model's own layout (0: n_layers)
+    n_policy: int = -1  # of those, the plain KVCache slots a policy cache takes over (-1: unknown)
 
 
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "temporal_block")
@@ -82,7 +83,7 @@ def model_geometry(model) -> ModelGeometry:
             value_dim = _int(getattr(attn, "v_head_dim", None))
         rope = next((getattr(attn, n) for n in _ROPE_NAMES if callable(getattr(attn, n, None))), None)
     return ModelGeometry(len(layers), n_kv, head_dim, max_pos, rope, value_dim or head_dim, latent,
-                         layout_kinds(slots), len(slots))
+                         layout_kinds(slots), len(slots), sum(takes_policy(s) for s in slots))
 
 
 def _group_hint(dims: list[int]) -> str:
@@ -114,7 +115,7 @@ def check_settings(settings: CacheSettings, geom: ModelGeometry) -> None:
             f"mode: {settings.mode} re-positions cached keys, but this model's attention caches compressed "
             "latents (multi-head latent attention), not rotated keys; use prealloc, quantized or concat"
         )
-    if settings.quantizes:
+    if settings.quantizes and geom.n_policy != 0:  # a model without attention caches has nothing to quantise
         dims = sorted({d for d in (geom.head_dim, geom.value_dim) if d})
         if not dims:
             raise CacheConfigError(
