@@ -19,7 +19,7 @@ _WHERE = {
     "reserve_tokens": "factory",
     # CACHE_CLASSES is kv's dict, but the scored modes add themselves to it when scored.py loads:
     # reading it through scored means every mode of settings.MODES is in it, whoever asks first.
-    "CACHE_CLASSES": "scored", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantizedKVCache": "kv",
+    "CACHE_CLASSES": "scored", "ConcatKVCache": "kv", "PreallocKVCache": "kv", "QuantStartKVCache": "kv",
     "SegmentedKVCache": "kv", "WindowKVCache": "kv", "WindowQuantKVCache": "kv",
     "ScoredKVCache": "scored", "ScoredQuantKVCache": "scored",
     "MODES": "settings", "CacheConfigError": "settings", "CacheSettings": "settings",

@@ -150,6 +150,10 @@ def attend_segments(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], sc
 def _make_dispatch(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
         attend = getattr(cache, "attend", None)
+        if attend is not None and not cache.serves(keys, values):
+            # the model attends over arrays of its own (latent attention): use them as passed
+            cache.decline_attend()
+            attend = None
         if attend is not None and sinks is None and not kwargs:
             return attend(queries, scale=scale, mask=mask)
         if attend is not None:  # a call attend() cannot serve: use the whole (dequantised) history

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .factory import make_caches
+from .layers import is_ours, primary
 from .settings import CacheSettings
 
 
@@ -28,7 +29,10 @@ class Conversion:
 
 def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
     start = time.perf_counter()
-    source = caches[0]
+    source = primary(caches)
+    if not is_ours(source):  # mlx-lm's own caches only (a pure recurrent model): no policy to change
+        return Conversion(caches, "unchanged", f"this model has no full-attention layers for {settings.mode} to hold",
+                          0.0)
     if source.mode == settings.mode and getattr(source, "settings", settings) == settings:
         return Conversion(caches, "unchanged", f"already {settings.mode}", 0.0)
     for c in caches:  # maintenance due (an eviction) changes what each layer holds and has dropped
@@ -42,7 +46,13 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
             "they must be prefilled again", time.perf_counter() - start,
         )
     had_quant = source.usage().quant_tokens > 0
-    for old, new in zip(caches, target):
+    if len(target) != len(caches):
+        return Conversion(target, "reprefill", f"the caches have {len(caches)} layers, this model {len(target)}",
+                          time.perf_counter() - start)
+    for i, (old, new) in enumerate(zip(caches, target)):
+        if not is_ours(new):
+            target[i] = old  # mlx-lm's own layers (sliding window, recurrent state) go on as they are
+            continue
         k, v = old.content()
         if k is not None and k.shape[2]:
             new.absorb(k, v)
@@ -54,13 +64,14 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
                 counts[mode] = counts.get(mode, 0) + n
             setattr(new, name, counts)
     mx.eval([c.state for c in target])
-    lossy = had_quant or target[0].evicted > evicted or target[0].usage().quant_tokens > 0
+    first = primary(target)
+    lossy = had_quant or first.evicted > evicted or first.usage().quant_tokens > 0
     how = []
     if had_quant:
         how.append("dequantised")
-    if target[0].usage().quant_tokens:
+    if first.usage().quant_tokens:
         how.append("quantised")
-    if target[0].evicted > evicted:
-        how.append(f"evicted {target[0].evicted - evicted} tokens")
+    if first.evicted > evicted:
+        how.append(f"evicted {first.evicted - evicted} tokens")
     reason = f"{source.mode} -> {settings.mode}" + (f" ({', '.join(how)})" if how else "")
     return Conversion(target, "converted", reason, time.perf_counter() - start, lossy)

@@ -41,11 +41,15 @@ class _CacheBase:
     mode: str = ""
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """mlx-lm's ``create_attention_mask`` for this cache: a windowed mask whenever the model
+        asks for a window (a decode step too: the window may already exclude early tokens)."""
         offset = self.offset
+        if window_size is not None:
+            return create_causal_mask(N, offset, window_size=window_size)
         if N == 1:
             return None
-        if return_array or (window_size and N > window_size):
-            return create_causal_mask(N, offset, window_size=window_size)
+        if return_array:
+            return create_causal_mask(N, offset)
         return "causal"
 
     def is_trimmable(self) -> bool:
@@ -61,6 +65,26 @@ class _CacheBase:
     def nbytes(self) -> int:
         """Bytes really held (not the allocated buffer); ``usage()`` has both."""
         return self.usage().bytes_held
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batched cache of several single-sequence caches (``BatchKVCache``: full
+        precision, left-padded), as mlx-lm's ``KVCache.merge`` gives."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        return BatchKVCache.merge(caches)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's ``QuantizedKVCache`` holding this cache's tokens (as ``KVCache.to_quantized``)."""
+        from mlx_lm.models.cache import QuantizedKVCache as MlxQuantizedKVCache
+
+        q = MlxQuantizedKVCache(group_size=group_size, bits=bits)
+        k, v = self.content()
+        if k is not None:
+            q.keys = mx.quantize(k, group_size=group_size, bits=bits)
+            q.values = mx.quantize(v, group_size=group_size, bits=bits)
+            q.offset = k.shape[2]
+        return q
 
 
 class ConcatKVCache(_CacheBase):
@@ -91,6 +115,9 @@ class ConcatKVCache(_CacheBase):
     def absorb(self, keys: mx.array, values: mx.array) -> None:
         """Take tokens outside a model step (conversion, restore)."""
         self.update_and_fetch(keys, values)
+
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        return self.keys, self.values
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
@@ -213,6 +240,41 @@ class SegmentedKVCache(_CacheBase):
             return self.full.view()
         self._awaiting_attend = self._dispatched is None
         return self.content()
+
+    def serves(self, keys: mx.array, values: mx.array) -> bool:
+        """Whether ``keys``/``values``, passed to attention, are what ``update_and_fetch`` handed
+        the model (all held tokens, or the full-precision part), so that ``attend`` may compute
+        the attention from the cache itself. Absorbed multi-head latent attention (DeepSeek V3)
+        caches latents and attends over arrays made from them (a decode step passes the cached
+        keys as both keys and values): those must be used as passed."""
+        held = self.full._held_view
+        if held is not None and keys is held[0] and values is held[1]:
+            return True
+        if not self._quant_len() or keys is values:
+            return False
+        # a quantised history handed out whole (content(): new arrays on every call)
+        fk, fv = self.full.keys, self.full.values
+        n = self._held()
+        return (keys.shape[2] == n and values.shape[2] == n and keys.shape[1] == fk.shape[1]
+                and keys.shape[3] == fk.shape[3] and values.shape[1] == fv.shape[1] and values.shape[3] == fv.shape[3])
+
+    def decline_attend(self) -> None:
+        """The model's attention does not go through ``attend`` (``serves`` said no): hand it the
+        whole held history from every ``update_and_fetch`` from now on."""
+        self._dispatched, self._awaiting_attend = False, False
+
+    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
+        """mlx-lm 0.32's name for the held K/V (layers that share another layer's K/V read it,
+        e.g. afm7's KV-reuse layers): full precision, in sequence order."""
+        return self.content()
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self.content()[0]
+
+    @property
+    def values(self) -> mx.array | None:
+        return self.content()[1]
 
     def wrote_in_place(self, n: int) -> None:
         """Count ``n`` tokens that a native step wrote into ``full``'s buffers in place
@@ -444,6 +506,8 @@ class SegmentedKVCache(_CacheBase):
         if self.quant is not None:
             self.quant = quant_buffer(self.settings)
         if v:
+            if not v[0].shape[2]:  # every token quantised: buffers of the rows' shape, none written
+                self.full.reserve(1, v[0], v[1])
             self.full.append(v[0], v[1])
         if len(v) == 8:
             n = v[2].shape[2]
@@ -480,6 +544,33 @@ class SegmentedKVCache(_CacheBase):
         self.state = state
         self.meta_state = meta_state
 
+    @classmethod
+    def from_state(cls, state, meta_state=("0", "0")):
+        """A cache holding ``state`` (mlx-lm's ``load_prompt_cache`` calls this with the state
+        alone). mlx-lm's file keeps no settings, so the quantisation bits and group size are read
+        from the arrays' shapes; the evicting modes need the model's RoPE and their window
+        settings, which it does not keep either: chatapp's own snapshots (chatapp/store) do."""
+        mode = next((m for m, k in CACHE_CLASSES.items() if k is cls), None)
+        if mode is None or CacheSettings(mode=mode).evicts:
+            raise NotImplementedError(
+                f"{cls.__name__}.from_state: a {mode or cls.__name__} cache needs the model's RoPE and its window "
+                "settings, which mlx-lm's prompt-cache files do not keep; save it with chatapp's KV snapshots")
+        state = list(state)
+        settings = CacheSettings(mode=mode)
+        if len(state) == 8:  # values quantised per token: packed [.., D * bits / 32], scales [.., D / group]
+            d = state[1].shape[-1]
+            bits, group = state[5].shape[-1] * 32 // d, d // max(1, state[6].shape[-1])
+            settings = settings.with_(kv_bits=bits, kv_group_size=group)
+        last: Exception | None = None
+        for layout in ("token", "channel"):
+            c = cls(settings.with_(kv_key_layout=layout))
+            try:
+                c.load_state(state, tuple(meta_state))
+                return c
+            except CacheStateError as e:
+                last = e
+        raise last
+
 
 
 class PreallocKVCache(SegmentedKVCache):
@@ -490,7 +581,7 @@ class PreallocKVCache(SegmentedKVCache):
         super().__init__(settings)
 
 
-class QuantizedKVCache(SegmentedKVCache):
+class QuantStartKVCache(SegmentedKVCache):
     """Full precision until ``quant_start`` tokens, then quantised ``evict_chunk`` at a time.
 
     Up to ``evict_chunk - 1`` of the newest tokens wait at full precision for the next chunk
@@ -520,7 +611,23 @@ class WindowQuantKVCache(SegmentedKVCache):
 CACHE_CLASSES: dict[str, type] = {
     "concat": ConcatKVCache,
     "prealloc": PreallocKVCache,
-    "quantized": QuantizedKVCache,
+    "quantized": QuantStartKVCache,
     "window": WindowKVCache,
     "window-quant": WindowQuantKVCache,
 }
+
+
+def register_with_mlx_lm(*classes: type) -> None:
+    """Make ``classes`` known to mlx-lm's ``load_prompt_cache`` (and ``CacheList.state``), which
+    look cache classes up by name in ``mlx_lm.models.cache``; chatapp's names never shadow one
+    of mlx-lm's own."""
+    import mlx_lm.models.cache as mlx_cache
+
+    for cls in classes:
+        there = getattr(mlx_cache, cls.__name__, None)
+        if there is not None and there is not cls:
+            raise RuntimeError(f"{cls.__name__} is already one of mlx-lm's cache classes")
+        setattr(mlx_cache, cls.__name__, cls)
+
+
+register_with_mlx_lm(*CACHE_CLASSES.values())

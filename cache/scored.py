@@ -50,7 +50,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, tally
+from .kv import CACHE_CLASSES, CacheStateError, SegmentedKVCache, register_with_mlx_lm, tally
 from .rope import Repositioner
 from .settings import CacheSettings
 from .sparsity import attention_mass
@@ -398,3 +398,4 @@ class ScoredQuantKVCache(ScoredKVCache):
 
 CACHE_CLASSES["scored"] = ScoredKVCache
 CACHE_CLASSES["scored-quant"] = ScoredQuantKVCache
+register_with_mlx_lm(ScoredKVCache, ScoredQuantKVCache)

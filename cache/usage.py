@@ -38,17 +38,33 @@ class CacheUsage:
         return CacheUsage(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
 
+def layer_usage(c) -> CacheUsage:
+    """One layer's usage: a chatapp cache reports its own; one of mlx-lm's (a sliding window, a
+    recurrent state, ...) counts its bytes at full precision and the tokens it attends over
+    (``size()``: 0 for recurrent state, which holds no tokens)."""
+    usage = getattr(c, "usage", None)
+    if usage is not None:
+        return usage()
+    try:
+        b = int(c.nbytes)
+    except (AttributeError, NotImplementedError, TypeError):
+        b = 0
+    n = int(c.size()) if hasattr(c, "size") else 0
+    return CacheUsage(full_tokens=n, full_slots=n, full_bytes=b, full_bytes_allocated=b)
+
+
 def total_usage(caches: Iterable) -> CacheUsage:
-    """Sum of the per-layer usage; per-layer token counts are equal, so tokens are per layer."""
-    layers = [c.usage() for c in caches]
+    """Sum of the per-layer usage. Bytes and allocations add up over every layer; token counts
+    describe the sequence, so they are per layer: those of the chatapp policy caches (equal in
+    every such layer), or for a model without any, the longest of its own caches."""
+    caches = list(caches)
+    ours = [c for c in caches if hasattr(c, "usage")]
     total = CacheUsage()
-    for u in layers:
-        total = total + u
-    n = max(1, len(layers))
-    # Token counts describe the sequence, not the sum over layers; bytes and slots add up.
-    total.full_tokens //= n
-    total.quant_tokens //= n
-    total.evicted //= n
-    total.full_slots //= n
-    total.quant_slots //= n
+    for c in caches:
+        total = total + layer_usage(c)
+    counted = [layer_usage(c) for c in ours] if ours else [max((layer_usage(c) for c in caches),
+                                                               key=lambda u: u.tokens, default=CacheUsage())]
+    n = max(1, len(counted))
+    for name in ("full_tokens", "quant_tokens", "evicted", "full_slots", "quant_slots"):
+        setattr(total, name, sum(getattr(u, name) for u in counted) // n)
     return total

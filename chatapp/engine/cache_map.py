@@ -19,6 +19,9 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
+from cache.layers import primary
+from cache.usage import layer_usage
+
 # The states a message's marker shows, in the order the legend lists them.
 STATES = ("held", "restored", "quantised", "partly evicted", "evicted", "pending")
 STATE_HELP = {
@@ -101,8 +104,8 @@ def layout_of(caches: Sequence[Any], tokens: int, restored: int = 0) -> CacheLay
     """The layout of a session's caches (``session.caches``) representing ``tokens`` positions."""
     if not caches:
         return CacheLayout(tokens=0)
-    c = caches[0]
-    usage = c.usage()
+    c = primary(caches)
+    usage = layer_usage(c)
     evicted = int(usage.evicted)
     quant = int(usage.quant_tokens)
     sinks = min(int(getattr(c, "sinks", 0) or 0), tokens)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from cache import total_usage
+from cache.layers import primary
 
 from .cache_map import session_map
 from .memory import memory_total
@@ -28,7 +29,7 @@ def attention_sparsity(caches: Sequence[Any]) -> float | None:
 def first_visible_message(session: Any, starts: list[int]) -> int:
     """Index of the first message the model still sees: those wholly inside the evicted run
     (after the sinks, when the mode keeps sinks) are gone."""
-    evicted = session.caches[0].evicted
+    evicted = getattr(primary(session.caches), "evicted", 0)
     if not evicted:
         return 0
     limit = (session.settings.sinks if session.settings.evicts else 0) + evicted
@@ -40,7 +41,7 @@ def session_view(session: Any, scan_messages: bool, first_visible: int, sparsity
     """The session's cache usage for display; ``first_visible`` and ``sparsity`` are the last
     scan's, used as they are when ``scan_messages`` is off."""
     usage = total_usage(session.caches)
-    first = session.caches[0]
+    first = primary(session.caches)
     rows = []
     if scan_messages:
         starts, rows = session_map(session)
@@ -48,7 +49,7 @@ def session_view(session: Any, scan_messages: bool, first_visible: int, sparsity
         sparsity = attention_sparsity(session.caches)
     return CacheView(
         mode=session.mode, tokens=usage.tokens, capacity=usage.capacity,
-        full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=first.evicted,
+        full_tokens=usage.full_tokens, quant_tokens=usage.quant_tokens, evicted=getattr(first, "evicted", 0),
         bytes_held=usage.bytes_held, bytes_allocated=usage.bytes_allocated,
         full_bytes=usage.full_bytes, quant_bytes=usage.quant_bytes,
         memory_total=memory_total(),

@@ -7,6 +7,7 @@ from typing import Iterator
 import mlx.core as mx
 
 from cache import CacheConfigError, CacheSettings, make_caches
+from cache.layers import position
 
 from .events import CompareRow, TurnDone
 from .generate import GenerationSettings
@@ -48,7 +49,7 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
         if history.messages:
             twin.prefill(twin.format.tokens(history, generation_prompt=False))
         twin.conversation = conv.copy()
-        context = twin.caches[0].offset
+        context = position(twin.caches)
         done = None
         for ev in twin.reply():
             if isinstance(ev, TurnDone):

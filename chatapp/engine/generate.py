@@ -8,6 +8,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
+from cache.layers import position
+
 from .events import TurnDone
 
 
@@ -99,7 +101,7 @@ def decode_tokens(model, caches: list, logits: mx.array, sample: Callable[[mx.ar
 
     def step(y: mx.array) -> mx.array:
         nonlocal context
-        context = caches[0].offset + 1
+        context = position(caches) + 1
         nxt = model(y[None], cache=caches)[:, -1, :]
         if observe is not None:
             observe(y)

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from cache import CacheConfigError, make_caches
 from cache.factory import restore_caches
+from cache.layers import uniform
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import common_prefix
 
@@ -56,7 +57,7 @@ def warm_start(session: "Session", prompt: list[int], stats: TurnStats) -> None:
     logits. Time spent (lookup, reading, conversion) is the turn's, so it counts in the TTFT.
     """
     source = session.prefix_source
-    if source is None or session.cached or len(prompt) < 2:
+    if source is None or session.cached or len(prompt) < 2 or not session.stores_kv:
         return
     t0 = time.perf_counter()
     hit = source.lookup(prompt[:-1])
@@ -80,6 +81,8 @@ def exact_length(session: "Session", tokens: list[int]) -> int:
     """How many leading ``tokens`` the live caches hold exactly as a prealloc prefill would have
     made them (full precision, nothing evicted, never converted lossily); 0 when they do not."""
     if not session.kv_exact or not session.caches:
+        return 0
+    if not uniform(session.caches):  # mlx-lm's own layers: their state is not per-layer K/V
         return 0
     for c in session.caches:
         usage = c.usage()

@@ -25,6 +25,7 @@ from cache import (
     model_geometry,
     reserve_tokens,
 )
+from cache.layers import is_ours, primary, trim_reason, uniform
 from cache.settings import AUTO
 from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
@@ -94,6 +95,7 @@ class Session:
         # True while the caches hold every token as a full-precision prefill from empty would
         # (no lossy conversion since they were filled); the prefix store only keeps such K/V.
         self.kv_exact = True
+        self.reprefill_reason = ""  # why the last turn could not reuse the caches (mixed layer kinds)
         self.restored = 0  # leading cached tokens a restore (prefix store, snapshot) put in (cache_map)
         self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
         self.gauges = gauges  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
@@ -325,7 +327,10 @@ class Session:
                 "use window or window-quant (or auto) to keep positions inside it"
             )
         stats.mode = self.mode
+        self.reprefill_reason = ""
         reuse = self._reuse(prompt)
+        if self.reprefill_reason:
+            stats.notices.append(self.reprefill_reason)
         stats.reused_tokens = reuse
         rest = prompt[reuse:]
         stats.prefill_tokens = len(rest)
@@ -364,11 +369,12 @@ class Session:
         common = common_prefix(self.cached, prompt)
         if common == len(prompt):
             common -= 1  # the last prompt token must run again to give the next token's logits
-        evicted = self.caches[0].evicted
+        first = primary(self.caches)
+        evicted = getattr(first, "evicted", 0)
         sinks = self.settings.sinks if self.settings.evicts else 0
         # Tokens before this conversation index may have been evicted: the window modes evict
         # the oldest non-sinks; the scored mode anywhere before its contiguous tail.
-        tail = getattr(self.caches[0], "contiguous_tail", None)
+        tail = getattr(first, "contiguous_tail", None)
         floor = sinks + evicted if tail is None else len(self.cached) - tail
         if evicted and common < floor:
             # The divergence lies in history the window already dropped: start over.
@@ -376,8 +382,20 @@ class Session:
             return 0
         drop = len(self.cached) - common
         if drop:
-            for c in self.caches:
-                c.trim(drop)
+            why = trim_reason(self.caches)
+            if why:
+                # mlx-lm's own layers that cannot drop their last tokens (recurrent state, a
+                # wrapped sliding window): the conversation runs again from the start
+                self.reprefill_reason = (f"re-prefilled the conversation: the last {drop} cached tokens changed and "
+                                         f"this model's {why}")
+                self._reset_caches()
+                return 0
+            short = [c for c in self.caches if c.trim(drop) != drop and not is_ours(c)]
+            if short:
+                self.reprefill_reason = (f"re-prefilled the conversation: {type(short[0]).__name__} layers could not "
+                                         f"drop the last {drop} cached tokens")
+                self._reset_caches()
+                return 0
             del self.cached[common:]
             self.restored = min(self.restored, common)
         return common
@@ -549,11 +567,20 @@ class Session:
         msg.raw = best
 
     # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
+    @property
+    def stores_kv(self) -> bool:
+        """Whether this model's caches can be saved (snapshots) and shared (the prefix store):
+        only when every layer is a chatapp policy cache. mlx-lm's own sliding-window and
+        recurrent-state layers hold state that those formats (per-layer full-precision K/V) do
+        not describe, so for such models both are off and resumes re-prefill."""
+        return uniform(self.caches)
+
     def cache_consistent(self) -> bool:
         """True when every layer's cache holds exactly the tokens ``cached`` lists (evicted ones
         counted), i.e. the caches may be saved as a snapshot of ``cached``."""
         n = len(self.cached)
-        return bool(self.caches) and all(c.offset + c.evicted == n for c in self.caches)
+        return bool(self.caches) and all(
+            (c.offset + c.evicted == n) if is_ours(c) else getattr(c, "offset", n) == n for c in self.caches)
 
     def restore_state(self, caches: list, cached: list[int], settings: CacheSettings,
                       exact: bool = False) -> SwitchReport | None:

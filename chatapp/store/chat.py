@@ -361,7 +361,7 @@ class PersistentChat(SnapshotResume):
         from .snapshot import token_hash
 
         store, s = self.prefixes, self.session
-        if store is None or not self.saving or self._prefix_failed or self._turn is not None:
+        if store is None or not self.saving or self._prefix_failed or self._turn is not None or not s.stores_kv:
             return 0
         stored = 0
         for tokens in self._first_turn_prefixes():

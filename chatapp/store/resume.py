@@ -83,7 +83,8 @@ class SnapshotResume:
 
         s = self.session
         if (not self.saving or self.conversation_id is None or self._snapshot_failed or self._turn is not None
-                or not s.cached or self.cap_bytes <= 0 or not s.cache_consistent()):
+                or not s.cached or self.cap_bytes <= 0 or not s.stores_kv
+                or not s.cache_consistent()):
             return False
         key = self._current_key()
         if key == self._snapshot_key:

@@ -1,0 +1,124 @@
+"""The chat on models whose layers are not all full attention (tiny random ones): a hybrid with
+recurrent state (qwen3_next: gated-delta layers in ArraysCache) and a sliding-window model
+(gemma3_text: RotatingKVCache layers). Replies equal a fresh session's on the same conversation;
+turns reuse the caches, or say why they re-prefill; regenerate and edit-last work; the cache
+figures count every layer."""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+from cache import CacheConfigError, CacheSettings, make_caches, total_usage
+from cache.layers import is_ours
+from chatapp.engine.events import TurnDone
+from chatapp.engine.generate import GenerationSettings
+from chatapp.engine.session import Session
+from chatapp.model.synthetic import byte_tokenizer
+from tests.tiny_archs import build
+
+GREEDY = GenerationSettings(temp=0.0, max_tokens=10)
+SETTINGS = CacheSettings(quant_start=16, evict_chunk=16, kv_group_size=32)
+
+
+def run(events) -> TurnDone:
+    done = None
+    for e in events:
+        if isinstance(e, TurnDone):
+            done = e
+    return done
+
+
+def model_of(name: str, **changes):
+    arch = build(name, vocab_size=258, **changes)
+    assert arch.model is not None, arch.skipped
+    return arch.model
+
+
+def fresh(model, conversation, mode):
+    s = Session(model, byte_tokenizer(), mode=mode, cache_settings=SETTINGS, generation=GREEDY)
+    s.load_conversation(conversation.copy())
+    return run(s.reply())
+
+
+@pytest.mark.parametrize("name,changes,kind", [
+    ("qwen3_next", {}, ArraysCache),
+    ("gemma3_text", {"sliding_window": 8}, RotatingKVCache),
+])
+@pytest.mark.parametrize("mode", ["prealloc", "quantized"])
+def test_chat_on_mixed_layers_matches_fresh_runs(name, changes, kind, mode):
+    model = model_of(name, **changes)
+    s = Session(model, byte_tokenizer(), mode=mode, cache_settings=SETTINGS, generation=GREEDY)
+    assert any(isinstance(c, kind) for c in s.caches) and any(is_ours(c) for c in s.caches)
+    for q in ("hello there, model", "a second, longer line of text"):
+        before = len(s.cached)
+        done = run(s.send(q))
+        base = s.conversation.copy()
+        base.messages.pop()
+        assert done.text == fresh(model, base, mode).text
+        # the turn reused what the caches held, or said why it could not
+        assert done.stats.reused_tokens >= before - 1 or any("re-prefilled" in n for n in done.stats.notices)
+    view = s.cache_view()
+    assert view.conversation_tokens == len(s.cached)
+    assert view.tokens == len(s.cached)  # the full-attention layers hold the whole conversation
+    assert view.bytes_held == sum(c.nbytes for c in s.caches) > 0  # every layer's bytes, mlx-lm's own too
+    assert s.cache_consistent() and not s.stores_kv  # snapshots / prefix store: off, said in the README
+
+    first = s.conversation.messages[-1].content
+    again = run(s.regenerate())
+    assert again.text == first  # greedy: the same reply from the same conversation
+    # the caches had to drop the reply: recurrent state / a wrapped window cannot, and the turn says so
+    assert any("re-prefilled" in n and kind.__name__ in n for n in again.stats.notices)
+    edited = run(s.edit_last("something else entirely"))
+    base = s.conversation.copy()
+    base.messages.pop()
+    assert edited.text == fresh(model, base, mode).text
+
+
+def test_a_sliding_window_that_has_not_wrapped_is_trimmed_not_reprefilled():
+    model = model_of("gemma3_text", sliding_window=512)
+    s = Session(model, byte_tokenizer(), mode="prealloc", generation=GREEDY)
+    run(s.send("hello"))
+    first = s.conversation.messages[-1].content
+    again = run(s.regenerate())
+    assert again.text == first and again.stats.reused_tokens > 0 and not again.stats.notices
+
+
+@pytest.mark.parametrize("mode", ["window", "window-quant", "scored", "scored-quant"])
+def test_evicting_modes_are_refused_at_start_on_mixed_layers(mode):
+    model = model_of("qwen3_next")
+    with pytest.raises(CacheConfigError) as e:
+        make_caches(model, CacheSettings(mode=mode))
+    assert "\n" not in str(e.value) and "ArraysCache" in str(e.value)
+
+
+def test_policy_caches_replace_only_the_full_attention_slots():
+    model = model_of("gemma3_text")
+    own = model.make_cache()
+    ours = make_caches(model, CacheSettings(mode="prealloc"))
+    assert len(ours) == len(own)
+    for a, b in zip(own, ours):
+        if type(a) is KVCache:
+            assert is_ours(b)
+        else:
+            assert type(b) is type(a) and b.max_size == a.max_size
+    assert total_usage(ours).tokens == 0
+
+
+@pytest.mark.parametrize("mode", ["concat", "prealloc"])
+def test_gemma3_sliding_layers_give_mlx_lms_logits_past_their_512_token_window(mode):
+    """Gemma 3's real window (512): the full-precision modes match mlx-lm's own caches past it."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = model_of("gemma3_text", sliding_window=512, sliding_window_pattern=2, num_hidden_layers=2)
+    seq = [(5 * i + 1) % 250 + 1 for i in range(530)]
+
+    def logits(caches):
+        out = [model(mx.array([seq[:256]]), cache=caches)[0, -1:], model(mx.array([seq[256:520]]), cache=caches)[0]]
+        out += [model(mx.array([[t]]), cache=caches)[0] for t in seq[520:]]
+        return mx.concatenate(out, axis=0)
+
+    ref = logits(make_prompt_cache(model))
+    got = logits(make_caches(model, CacheSettings(mode=mode)))
+    assert float(mx.abs(got - ref).max()) <= 1e-4 * float(mx.abs(ref).max())
