@@ -22,15 +22,27 @@ class _FakeSession:
     model_id = "fake"
 
     def __init__(self):
+        import threading
+
         self.calls = []
+        self.flag = threading.Event()
 
     def load_lines(self):
         return ["loaded"]
 
+    def start_request(self):
+        self.flag.clear()
+
     def send(self, text):
-        self.calls.append(("send", text))
+        self.calls.append(("send", text, "cancelled" if self.flag.is_set() else "clear"))
         yield TokenEvent(text, 1, TurnStats())
         yield TurnDone(text, TurnStats())
+
+    def switch_mode(self, mode, **changes):
+        from chatapp.engine.events import SwitchReport
+
+        self.calls.append(("switch_mode", mode, "cancelled" if self.flag.is_set() else "clear"))
+        return SwitchReport(mode, "converted", "", 0.0)
 
     def new_chat(self):
         self.calls.append(("new_chat",))
@@ -39,10 +51,12 @@ class _FakeSession:
         raise RuntimeError("no cache here")
 
     def cancel(self):
-        pass
+        self.flag.set()
 
 
-def _run_worker(requests):
+def _run_worker(requests, cancel_after=()):
+    """Run ``requests`` through an EngineWorker over a fake session; a cancel is set as each event
+    of a type in ``cancel_after`` is emitted (as Esc arriving while it reaches the screen)."""
     from chatapp.engine.worker import EngineWorker
 
     got = []
@@ -50,6 +64,8 @@ def _run_worker(requests):
 
     def on_event(ev):
         got.append(ev)
+        if isinstance(ev, cancel_after):
+            session.cancel()
 
     worker = EngineWorker(lambda emit: session, on_event)
     worker.start()
@@ -63,12 +79,22 @@ def _run_worker(requests):
 def test_worker_dispatches_on_the_request_type_and_says_what_failed():
     session, got = _run_worker([Send("hi"), NewChat(), Describe(), Regenerate()])
     assert isinstance(got[0], Loaded) and got[0].model_id == "fake" and got[0].notes == ["loaded"]
-    assert session.calls == [("send", "hi"), ("new_chat",)]
+    assert session.calls == [("send", "hi", "clear"), ("new_chat",)]
     kinds = [type(e) for e in got[1:]]
     assert kinds == [TokenEvent, TurnDone, Idle, Idle, Failed, Idle, Failed, Idle]
     describe_failure, regenerate_failure = [e for e in got if isinstance(e, Failed)]
     assert describe_failure.message == "describe failed: no cache here"
     assert regenerate_failure.message.startswith("regenerate failed:")  # the fake has no regenerate
+
+
+def test_each_request_starts_with_a_clear_cancel_flag():
+    """Esc as a reply ends (its TurnDone) sets the cancel flag after the reply checked it last; the
+    mode switch queued behind the reply (F3 during it) and the next message must not see it."""
+    from chatapp.engine.requests import SwitchMode
+
+    session, got = _run_worker([Send("one"), SwitchMode("window"), Send("two")], cancel_after=(TurnDone,))
+    assert session.calls == [("send", "one", "clear"), ("switch_mode", "window", "clear"),
+                             ("send", "two", "clear")]
 
 
 def test_every_event_kind_has_its_message():

@@ -17,14 +17,14 @@ from chatapp.engine.stats import CacheView, MemoryGauges, TurnStats
 @dataclass
 class SwitchReport:
     mode: str
-    action: str  # "converted", "reprefilled", "unchanged"
+    action: str  # "converted", "reprefilled", "stopped" (a cancel ended the re-prefill), "unchanged"
     reason: str
     seconds: float
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         verb = {"converted": "converted the live cache", "reprefilled": "re-prefilled the conversation",
-                "unchanged": "nothing to do"}[self.action]
+                "stopped": "stopped re-prefilling", "unchanged": "nothing to do"}[self.action]
         extra = f"; {'; '.join(self.notes)}" if self.notes else ""
         return f"cache mode {self.mode}: {verb} in {self.seconds * 1000:.0f} ms ({self.reason}){extra}"
 

@@ -135,7 +135,13 @@ class Session:
             return "window"
 
     def switch_mode(self, mode: str, **changes) -> SwitchReport:
-        """Switch the cache mode (and settings) now: convert the live cache, or re-prefill."""
+        """Switch the cache mode (and settings) now: convert the live cache, or re-prefill.
+        A request of its own (the F3 key, ``/mode``): it starts with a clear cancel flag."""
+        self.start_request()
+        return self._switch(mode, **changes)
+
+    def _switch(self, mode: str, **changes) -> SwitchReport:
+        """:meth:`switch_mode` within a request already running (a turn's auto policy, a restore)."""
         if mode == AUTO:
             target = self._long_mode() if len(self.cached) > self.long_after else "prealloc"
         else:
@@ -153,6 +159,10 @@ class Session:
             self.kv_exact, self.restored = True, 0
             if tokens:
                 self.prefill(tokens)
+            if len(self.cached) < len(tokens):  # cancelled between two chunks; the caches hold what ran
+                reason = (f"cancelled after {len(self.cached)} of {len(tokens)} tokens; "
+                          "the next turn prefills the rest")
+                return SwitchReport(target, "stopped", reason, time.perf_counter() - start, notes)
             return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
         return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
@@ -160,7 +170,7 @@ class Session:
         """Auto mode: prealloc while short, the long-history policy once past ``long_after``."""
         if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
             return None
-        report = self.switch_mode(AUTO)
+        report = self._switch(AUTO)
         self.requested_mode = AUTO
         return report
 
@@ -299,6 +309,16 @@ class Session:
         """Stop the running reply between two tokens (safe from any thread)."""
         self._cancel.set()
 
+    def start_request(self) -> None:
+        """A request that runs model work starts: forget a cancel meant for an earlier one.
+
+        A cancel stops what runs when it is set; one that arrives as a reply ends (Esc after the
+        last token, or a reply cancelled with a mode switch queued behind it) must not stop the
+        next request. The engine's dispatcher calls this before every request
+        (``EngineWorker._run``); :meth:`reply` and :meth:`switch_mode` call it too, for front ends
+        that drive a Session directly (``--no-tui``'s ``/mode``, the benches)."""
+        self._cancel.clear()
+
     @property
     def cancel_token(self):
         """The event that stops this session's replies (given at construction, or its own)."""
@@ -307,7 +327,7 @@ class Session:
     # ---- one turn -----------------------------------------------------------------------------
     def reply(self) -> Iterator[PrefillProgress | TokenEvent | TurnDone]:
         """Generate the assistant's reply to the conversation as it stands, streaming events."""
-        self._cancel.clear()
+        self.start_request()
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         prompt = self.format.tokens(self.conversation)
@@ -574,7 +594,7 @@ class Session:
         if fits and settings == self._settings_for(settings.mode):
             return None
         requested = self.requested_mode
-        report = self.switch_mode(requested)
+        report = self._switch(requested)
         self.requested_mode = requested
         return report
 
@@ -591,7 +611,7 @@ class Session:
         on it."""
         if self.requested_mode != AUTO or self.settings.evicts:
             return None
-        report = self.switch_mode(self._long_mode())
+        report = self._switch(self._long_mode())
         self.requested_mode = AUTO
         return report
 

@@ -60,6 +60,7 @@ class EngineWorker:
             if isinstance(request, Quit):
                 return
             try:
+                self.session.start_request()  # a cancel meant for the request before is forgotten
                 self._dispatch(request)
             except Exception as e:  # noqa: BLE001
                 self._emit(Failed(f"{request.kind} failed: {e}", traceback.format_exc()))
