@@ -34,6 +34,7 @@ from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import EngineBridge
+from .coalesce import Coalescer
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
 from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
 from .format import MODES, next_mode
@@ -108,6 +109,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self._seen_notices: set[str] = set()
         self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
+        self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:

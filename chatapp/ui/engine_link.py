@@ -139,7 +139,7 @@ class EngineLinkApp(App[int]):
         ev = message.event
         self.live_stats = self._fz(ev.stats)
         self._pending_text += ev.text
-        self._update_status()
+        self.status_rate.request()  # rebuilt a few times a second, not per token (ui/coalesce.py)
 
     @on(PrefillMessage)
     def _on_prefill(self, message: PrefillMessage) -> None:
@@ -147,7 +147,7 @@ class EngineLinkApp(App[int]):
         ev = message.event
         self.live_stats = self._fz(ev.stats)
         self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
-        self._update_status()
+        self.status_rate.request()
 
     @on(TurnDoneMessage)
     async def _on_turn_done(self, message: TurnDoneMessage) -> None:
@@ -356,7 +356,9 @@ class EngineLinkApp(App[int]):
 
     # ---- streaming ----------------------------------------------------------------------------------
     async def _flush_stream(self) -> None:
-        """Move the text received since the last tick into the reply (on a timer, and at the end)."""
+        """Move the text received since the last tick into the reply (on a timer, and at the end);
+        the timer also rebuilds the status bar when figures wait for their interval."""
+        self.status_rate.tick()
         if self._stream_lock is None:
             return
         async with self._stream_lock:
@@ -442,6 +444,10 @@ class EngineLinkApp(App[int]):
         return None
 
     def _update_status(self) -> None:
+        """Rebuild the status bar now (per-token figures go through ``status_rate.request``)."""
+        self.status_rate.now()
+
+    def _rebuild_status(self) -> None:
         if not self.is_mounted:
             return
         live = self._reply is not None and self.live_stats is not None
