@@ -54,13 +54,13 @@ class _FakeSession:
         self.flag.set()
 
 
-def _run_worker(requests, cancel_after=()):
+def _run_worker(requests, cancel_after=(), session=None):
     """Run ``requests`` through an EngineWorker over a fake session; a cancel is set as each event
     of a type in ``cancel_after`` is emitted (as Esc arriving while it reaches the screen)."""
     from chatapp.engine.worker import EngineWorker
 
     got = []
-    session = _FakeSession()
+    session = session or _FakeSession()
 
     def on_event(ev):
         got.append(ev)
@@ -97,13 +97,42 @@ def test_each_request_starts_with_a_clear_cancel_flag():
                              ("send", "two", "clear")]
 
 
+def test_state_changes_carry_the_session_they_produce():
+    """Loaded, Switched, a new chat and a failure each come with the session's description: the
+    front end never sends Describe to learn what a request it made did."""
+    from chatapp.engine.requests import SwitchMode
+    from chatapp.engine.stats import CacheView
+
+    class Described(_FakeSession):
+        mode = "prealloc"
+
+        def describe(self):
+            return SessionInfo("fake", self.mode, self.mode, CacheView(mode=self.mode))
+
+        def switch_mode(self, mode, **changes):
+            self.mode = mode
+            return super().switch_mode(mode, **changes)
+
+    _, got = _run_worker([SwitchMode("window"), NewChat(), Regenerate()], session=Described())
+    loaded, switched = got[0], next(e for e in got if isinstance(e, engine_events.Switched))
+    assert loaded.info.mode == "prealloc" and switched.info.mode == "window"
+    assert switched.info.cache.mode == "window"
+    after_new_chat = got[got.index(switched) + 2]  # Switched, Idle, then the new chat's description
+    assert isinstance(after_new_chat, SessionInfo)
+    failed = next(e for e in got if isinstance(e, Failed))
+    assert failed.info is not None and failed.info.mode == "window"
+
+
 def test_every_event_kind_has_its_message():
     pytest.importorskip("textual")
     from chatapp.ui.messages import MESSAGES, message_for
 
     travelling = [engine_events.LoadProgress, engine_events.Loaded, engine_events.SessionInfo,
                   engine_events.PrefillProgress, engine_events.TokenEvent, engine_events.TurnDone,
-                  engine_events.Idle, engine_events.Switched, engine_events.CompareResult, engine_events.Failed]
+                  engine_events.Idle, engine_events.Switched, engine_events.CompareResult, engine_events.Failed,
+                  engine_events.SystemChange, engine_events.ModelSwitch, engine_events.ModelReleased,
+                  engine_events.ChatNotes, engine_events.TranscriptLoaded, engine_events.ConversationChanged,
+                  engine_events.StartupFailed]
     for cls in travelling:
         assert cls in MESSAGES, cls
     kinds = [m.kind for m in MESSAGES.values()]

@@ -29,7 +29,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from chatapp.engine.events import SessionInfo
+from chatapp.engine.events import SessionInfo, TranscriptLoaded
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
@@ -39,7 +39,6 @@ from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
 from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
 from .format import MODES, next_mode
 from .markers import EvictionWatch
-from .messages import TranscriptLoaded
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
@@ -172,9 +171,8 @@ class ChatApp(ComfortActions, EngineLinkApp):
         """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
         if self._refuse_busy("open"):
             return
-        self.bridge.open_conversation(conversation_id)
+        self.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
         self._update_input_state()
-        self.request_info()
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         if not self.loaded:
@@ -282,8 +280,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         if self._refuse_busy("new chat"):
             return
         await self._clear_conversation()
-        self.submit(NewChat())
-        self.request_info()
+        self.submit(NewChat())  # the engine answers with the new session's description
         self._update_panel()
         self.notify("new chat", markup=False, timeout=2)
 
