@@ -25,7 +25,7 @@ from cache import (
     model_geometry,
     reserve_tokens,
 )
-from cache.settings import AUTO
+from cache.settings import AUTO, AUTO_STARTS_AS, starting_mode
 from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
@@ -87,7 +87,7 @@ class Session:
         self._sparsity: float | None = None  # the last full view's attention sparsity
         # Leading tokens (the system prompt) the evicting modes never evict.
         self.pinned = self._system_tokens()
-        self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
+        self.settings = self._settings_for(starting_mode(mode))
         self.notices.extend(notices or [])  # after the settings' own notes, as they came before
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
@@ -143,7 +143,7 @@ class Session:
     def _switch(self, mode: str, **changes) -> SwitchReport:
         """:meth:`switch_mode` within a request already running (a turn's auto policy, a restore)."""
         if mode == AUTO:
-            target = self._long_mode() if len(self.cached) > self.long_after else "prealloc"
+            target = self._long_mode() if len(self.cached) > self.long_after else AUTO_STARTS_AS
         else:
             target = mode
         base = self.base_settings.with_(**changes) if changes else self.base_settings
@@ -588,7 +588,7 @@ class Session:
         self.restored = len(cached)
         self.pinned = self._system_tokens()
         if self.requested_mode == AUTO:
-            fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
+            fits = settings.mode == AUTO_STARTS_AS or (settings.evicts and settings.mode == self._long_mode())
         else:
             fits = settings.mode == self.requested_mode
         if fits and settings == self._settings_for(settings.mode):

@@ -29,6 +29,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from cache.settings import starting_mode
 from chatapp.engine.events import SessionInfo, TranscriptLoaded
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
@@ -86,7 +87,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.failures: list[tuple[str, str]] = []  # (message, traceback) of every Failed event
         self.model_id = config.model.id
         self.info: SessionInfo | None = None
-        self.mode = config.cache.mode if config.cache.mode != "auto" else "prealloc"
+        self.mode = starting_mode(config.cache.mode)
         self.requested_mode = config.cache.mode
         self.entries: list[Entry] = []
         self.last_stats: TurnStats | None = None
