@@ -54,3 +54,31 @@ def test_a_session_switches_its_key_layout_through_mode(stories):
     line = apply_command(s, cmd)
     assert line.startswith("cache mode prealloc")
     assert s.base_settings.kv_key_layout == "channel" and s.settings.kv_key_layout == "channel"
+
+
+@pytest.mark.shared
+def test_the_mode_dialog_switches_the_key_layout(stories4_path):
+    """Pilot: F4's key-layout choice reaches the session (and comes back in its description)."""
+    pytest.importorskip("textual")
+    from test_ui import async_test, make_app, ready, wait_until
+
+    from chatapp.ui.screens import ModeDialog
+
+    @async_test
+    async def run():
+        app = make_app(stories4_path)
+        async with app.run_test(size=(100, 40)) as pilot:
+            await ready(pilot)
+            assert app.info.settings["kv_key_layout"] == "token"
+            await pilot.press("f4")
+            await wait_until(pilot, lambda: isinstance(app.screen, ModeDialog), what="the dialog")
+            dialog = app.screen
+            dialog.query_one("#mode-select").value = "prealloc"
+            dialog.query_one("#f-kv_key_layout").value = "channel"
+            await pilot.pause()
+            dialog.action_apply()
+            await wait_until(pilot, lambda: app.info.settings["kv_key_layout"] == "channel"
+                             and not app.bridge.busy, what="the switch")
+            assert app.info.mode == "prealloc"
+
+    run()

@@ -257,5 +257,5 @@ def test_describe_reads_the_session(stories):
     info = s.describe()
     assert isinstance(info, SessionInfo) and info.model_id == "stories" and info.mode == "window"
     assert info.requested_mode == "window" and info.has_system and info.messages == 1
-    assert set(info.settings) == {"window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens"}
+    assert set(info.settings) == {"window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens", "kv_key_layout"}
     assert dataclasses.asdict(info)["cache"]["mode"] == "window"

@@ -126,8 +126,8 @@ class SessionInfo:
     mode: str  # the cache mode in use
     requested_mode: str  # what was asked for ("auto" included)
     cache: CacheView
-    settings: dict[str, int] = field(default_factory=dict)  # as asked: window, sinks, kv_bits, ...
-    effective: dict[str, int] = field(default_factory=dict)  # as used, after fitting to the model
+    settings: dict[str, int | str] = field(default_factory=dict)  # as asked: window, sinks, kv_bits, ...
+    effective: dict[str, int | str] = field(default_factory=dict)  # as used, after fitting to the model
     has_system: bool = False
     messages: int = 0
     fmt: str = ""  # the prompt format, and why it was chosen

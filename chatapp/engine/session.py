@@ -622,9 +622,10 @@ class Session:
 
     def describe(self) -> SessionInfo:
         """A plain description of the session (its mode, settings, cache and memory) for a front end."""
-        def fields(s: CacheSettings) -> dict[str, int]:
+        def fields(s: CacheSettings) -> dict[str, int | str]:
             return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
-                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens}
+                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens,
+                    "kv_key_layout": s.kv_key_layout}
 
         cache = self.cache_view()
         messages = self.conversation.messages

@@ -363,7 +363,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         settings = self.info.settings if self.info else {
             "window": self.config.cache.window, "sinks": self.config.cache.sinks,
             "kv_bits": self.config.cache.kv_bits, "kv_group_size": self.config.cache.kv_group_size,
-            "max_kv_tokens": self.config.cache.max_kv_tokens}
+            "max_kv_tokens": self.config.cache.max_kv_tokens, "kv_key_layout": self.config.cache.kv_key_layout}
         effective = self.info.effective if self.info else {}
 
         def done(result) -> None:
