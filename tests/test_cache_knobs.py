@@ -82,3 +82,13 @@ def test_the_mode_dialog_switches_the_key_layout(stories4_path):
             assert app.info.mode == "prealloc"
 
     run()
+
+
+def test_every_cache_knob_has_a_flag_that_reaches_the_config():
+    """Each CacheSettings knob is a chat flag mapped to its [cache] key (kv_key_layout included)."""
+    from chatapp.cli import FLAG_KEYS, build_parser, overrides_from
+
+    for name in knob_types():
+        assert FLAG_KEYS.get(name) == f"cache.{name}", name
+    args = build_parser().parse_args(["--kv-key-layout", "channel", "--kv-bits", "4"])
+    assert overrides_from(args)["cache.kv_key_layout"] == "channel"
