@@ -24,6 +24,13 @@ MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", 
 # window mode once long). The one list that config, CLI, UI, slash commands and benches use.
 AUTO = "auto"
 MODE_CHOICES = (AUTO, *MODES)
+# What "auto" starts as: every token kept while the conversation is short (the rule, once).
+AUTO_STARTS_AS = "prealloc"
+
+
+def starting_mode(mode: str) -> str:
+    """The cache mode a session asked for ``mode`` starts in ("auto" starts as AUTO_STARTS_AS)."""
+    return AUTO_STARTS_AS if mode == AUTO else mode
 # Which modes evict, quantise, and cap their tokens at max_kv_tokens (window caps at sinks + window).
 EVICTING = ("window", "window-quant", "scored", "scored-quant")
 QUANTIZING = ("quantized", "window-quant", "scored-quant")
@@ -218,3 +225,16 @@ class CacheSettings:
         fitted = replace(self, evict_chunk=chunk, sinks=sinks, window=window, max_kv_tokens=budget)
         why = f"to stay inside the model's trained context of {max_positions} positions"
         return fitted, [f"{n} {why}" for n in notes]
+
+
+def knob_types() -> dict[str, type]:
+    """Every cache knob a user may set, with its type, read from :class:`CacheSettings`' fields (the
+    mode is chosen on its own): a knob added there reaches ``/mode`` with nothing restated."""
+    from dataclasses import fields
+
+    return {f.name: type(f.default) for f in fields(CacheSettings) if f.name != "mode"}
+
+
+def knob_choices(name: str) -> tuple | None:
+    """The values a choice knob takes (``kv_bits``, ``kv_key_layout``...), None for a free one."""
+    return {**CHOICES, "kv_key_layout": KEY_LAYOUTS}.get(name)

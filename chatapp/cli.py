@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from cache.settings import MODE_CHOICES
+from cache.settings import KEY_LAYOUTS, MODE_CHOICES
 
 from .config import CHAT_FORMATS, DENSE_WEIGHT_MODES, KERNEL_MODES, ConfigError, load_config
 from .errors import SetupError, UserError
@@ -42,6 +42,7 @@ FLAG_KEYS = {
     "chunk_size": "cache.chunk_size",
     "evict_chunk": "cache.evict_chunk",
     "quant_start": "cache.quant_start",
+    "kv_key_layout": "cache.kv_key_layout",
     "long_after": "cache.long_after",
     "blas": "cpu.blas",
     "dense_weights": "cpu.dense_weights",
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=int, help="preallocation step (multiple of 256)")
     c.add_argument("--evict-chunk", type=int, help="tokens evicted or quantised at a time")
     c.add_argument("--quant-start", type=int, help="quantized mode: full precision until this many tokens")
+    c.add_argument("--kv-key-layout", choices=KEY_LAYOUTS, help="quantised keys grouped per token or per channel")
     c.add_argument("--long-after", type=int, help="auto mode: switch to the long-history policy after this many tokens")
     o = p.add_argument_group("output")
     o.add_argument("--stats-json", metavar="FILE", help="append one JSON object per turn with every statistic")

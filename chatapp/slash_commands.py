@@ -4,8 +4,9 @@ Shared by the single-process loop (:mod:`chatapp.stdin_chat`) and the distribute
 behave the same::
 
     /mode MODE [key=value ...]   switch the cache mode now (auto, concat, prealloc, quantized,
-                                 window, window-quant); keys: window, sinks, evict_chunk,
-                                 kv_bits, kv_group_size, max_kv_tokens, quant_start, chunk_size
+                                 window, window-quant); keys: every CacheSettings knob (window,
+                                 sinks, evict_chunk, kv_bits, kv_group_size, max_kv_tokens,
+                                 quant_start, chunk_size, kv_key_layout=token|channel)
     /set key=value [...]         change sampling: temp, top_p, top_k, min_p, max_tokens, seed
                                  (-1 = random), repetition_penalty
     /quit  (or /exit)            end the conversation; needed under mlx.launch, which never
@@ -18,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache.settings import MODE_CHOICES
+from cache.settings import MODE_CHOICES, knob_choices, knob_types, starting_mode
 from chatapp.config import setting_bounds, valid_setting
 
-CACHE_KEYS = ("window", "sinks", "evict_chunk", "kv_bits", "kv_group_size", "max_kv_tokens",
-              "quant_start", "chunk_size")
+CACHE_KNOBS = knob_types()  # every CacheSettings knob and its type: kv_key_layout included
+CACHE_KEYS = tuple(CACHE_KNOBS)
 SAMPLING_KEYS = ("temp", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty")
 
 
@@ -51,6 +52,16 @@ def _number(key: str, raw: str, integer: bool) -> int | float:
     except ValueError:
         kind = "an integer" if integer else "a number"
         raise CommandError(f"{key}: must be {kind} (got {raw!r})") from None
+
+
+def _knob(key: str, raw: str) -> int | str:
+    """A /mode value of its knob's type; a choice knob's value must be one of its choices."""
+    if CACHE_KNOBS[key] is int:
+        return _number(key, raw, True)
+    choices = knob_choices(key)
+    if choices is not None and raw not in choices:
+        raise CommandError(f"{key}: must be one of {', '.join(map(str, choices))} (got {raw!r})")
+    return raw
 
 
 def _pairs(words: list[str], allowed: tuple[str, ...], what: str) -> dict[str, str]:
@@ -99,7 +110,7 @@ def parse_line(line: str) -> Command | None:
         if mode not in MODE_CHOICES:
             raise CommandError(f"/mode: unknown cache mode {args[0]!r} (choose from {', '.join(MODE_CHOICES)})")
         raw = _pairs(args[1:], CACHE_KEYS, "/mode")
-        changes = {k: _number(k, v, True) for k, v in raw.items()}
+        changes = {k: _knob(k, v) for k, v in raw.items()}
         return Command("mode", mode=mode, changes=changes)
     if name in ("quit", "exit"):
         if args:
@@ -118,7 +129,7 @@ def validate_command(session, cmd: Command) -> None:
     if cmd.kind == "mode":
         from cache import CacheConfigError, check_settings
 
-        target = "prealloc" if cmd.mode == "auto" else cmd.mode
+        target = starting_mode(cmd.mode)
         try:
             settings = session.base_settings.with_(mode=target, **cmd.changes)
             settings, _ = settings.fitted(session.geometry.max_positions)

@@ -22,15 +22,27 @@ class _FakeSession:
     model_id = "fake"
 
     def __init__(self):
+        import threading
+
         self.calls = []
+        self.flag = threading.Event()
 
     def load_lines(self):
         return ["loaded"]
 
+    def start_request(self):
+        self.flag.clear()
+
     def send(self, text):
-        self.calls.append(("send", text))
+        self.calls.append(("send", text, "cancelled" if self.flag.is_set() else "clear"))
         yield TokenEvent(text, 1, TurnStats())
         yield TurnDone(text, TurnStats())
+
+    def switch_mode(self, mode, **changes):
+        from chatapp.engine.events import SwitchReport
+
+        self.calls.append(("switch_mode", mode, "cancelled" if self.flag.is_set() else "clear"))
+        return SwitchReport(mode, "converted", "", 0.0)
 
     def new_chat(self):
         self.calls.append(("new_chat",))
@@ -39,17 +51,21 @@ class _FakeSession:
         raise RuntimeError("no cache here")
 
     def cancel(self):
-        pass
+        self.flag.set()
 
 
-def _run_worker(requests):
+def _run_worker(requests, cancel_after=(), session=None):
+    """Run ``requests`` through an EngineWorker over a fake session; a cancel is set as each event
+    of a type in ``cancel_after`` is emitted (as Esc arriving while it reaches the screen)."""
     from chatapp.engine.worker import EngineWorker
 
     got = []
-    session = _FakeSession()
+    session = session or _FakeSession()
 
     def on_event(ev):
         got.append(ev)
+        if isinstance(ev, cancel_after):
+            session.cancel()
 
     worker = EngineWorker(lambda emit: session, on_event)
     worker.start()
@@ -63,12 +79,48 @@ def _run_worker(requests):
 def test_worker_dispatches_on_the_request_type_and_says_what_failed():
     session, got = _run_worker([Send("hi"), NewChat(), Describe(), Regenerate()])
     assert isinstance(got[0], Loaded) and got[0].model_id == "fake" and got[0].notes == ["loaded"]
-    assert session.calls == [("send", "hi"), ("new_chat",)]
+    assert session.calls == [("send", "hi", "clear"), ("new_chat",)]
     kinds = [type(e) for e in got[1:]]
     assert kinds == [TokenEvent, TurnDone, Idle, Idle, Failed, Idle, Failed, Idle]
     describe_failure, regenerate_failure = [e for e in got if isinstance(e, Failed)]
     assert describe_failure.message == "describe failed: no cache here"
     assert regenerate_failure.message.startswith("regenerate failed:")  # the fake has no regenerate
+
+
+def test_each_request_starts_with_a_clear_cancel_flag():
+    """Esc as a reply ends (its TurnDone) sets the cancel flag after the reply checked it last; the
+    mode switch queued behind the reply (F3 during it) and the next message must not see it."""
+    from chatapp.engine.requests import SwitchMode
+
+    session, got = _run_worker([Send("one"), SwitchMode("window"), Send("two")], cancel_after=(TurnDone,))
+    assert session.calls == [("send", "one", "clear"), ("switch_mode", "window", "clear"),
+                             ("send", "two", "clear")]
+
+
+def test_state_changes_carry_the_session_they_produce():
+    """Loaded, Switched, a new chat and a failure each come with the session's description: the
+    front end never sends Describe to learn what a request it made did."""
+    from chatapp.engine.requests import SwitchMode
+    from chatapp.engine.stats import CacheView
+
+    class Described(_FakeSession):
+        mode = "prealloc"
+
+        def describe(self):
+            return SessionInfo("fake", self.mode, self.mode, CacheView(mode=self.mode))
+
+        def switch_mode(self, mode, **changes):
+            self.mode = mode
+            return super().switch_mode(mode, **changes)
+
+    _, got = _run_worker([SwitchMode("window"), NewChat(), Regenerate()], session=Described())
+    loaded, switched = got[0], next(e for e in got if isinstance(e, engine_events.Switched))
+    assert loaded.info.mode == "prealloc" and switched.info.mode == "window"
+    assert switched.info.cache.mode == "window"
+    after_new_chat = got[got.index(switched) + 2]  # Switched, Idle, then the new chat's description
+    assert isinstance(after_new_chat, SessionInfo)
+    failed = next(e for e in got if isinstance(e, Failed))
+    assert failed.info is not None and failed.info.mode == "window"
 
 
 def test_every_event_kind_has_its_message():
@@ -77,7 +129,10 @@ def test_every_event_kind_has_its_message():
 
     travelling = [engine_events.LoadProgress, engine_events.Loaded, engine_events.SessionInfo,
                   engine_events.PrefillProgress, engine_events.TokenEvent, engine_events.TurnDone,
-                  engine_events.Idle, engine_events.Switched, engine_events.CompareResult, engine_events.Failed]
+                  engine_events.Idle, engine_events.Switched, engine_events.CompareResult, engine_events.Failed,
+                  engine_events.SystemChange, engine_events.ModelSwitch, engine_events.ModelReleased,
+                  engine_events.ChatNotes, engine_events.TranscriptLoaded, engine_events.ConversationChanged,
+                  engine_events.StartupFailed]
     for cls in travelling:
         assert cls in MESSAGES, cls
     kinds = [m.kind for m in MESSAGES.values()]
@@ -202,5 +257,5 @@ def test_describe_reads_the_session(stories):
     info = s.describe()
     assert isinstance(info, SessionInfo) and info.model_id == "stories" and info.mode == "window"
     assert info.requested_mode == "window" and info.has_system and info.messages == 1
-    assert set(info.settings) == {"window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens"}
+    assert set(info.settings) == {"window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens", "kv_key_layout"}
     assert dataclasses.asdict(info)["cache"]["mode"] == "window"

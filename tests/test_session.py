@@ -122,6 +122,60 @@ def test_switch_back_from_an_evicted_window_reprefills(stories):
     assert s.caches[0].offset == len(s.cached) and s.caches[0].evicted == 0
 
 
+def test_a_switch_after_a_cancelled_reply_reprefills_everything(stories, monkeypatch):
+    """Esc stops a reply; F3, pressed during it, switches once the reply ends. The cancel was meant
+    for the reply alone: the switch's re-prefill runs to the end (issue 38: it stopped after its first
+    chunk yet reported that it re-prefilled)."""
+    import chatapp.engine.session as session_module
+
+    monkeypatch.setattr(session_module, "FULL_PREFILL_STEP", 32)  # several chunks for prealloc
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="window",
+                cache_settings=CacheSettings(sinks=4, window=64, evict_chunk=32))
+    for q in QUESTIONS[:4]:
+        run(s.send(q))
+    for n, ev in enumerate(s.send(QUESTIONS[4])):
+        if isinstance(ev, TokenEvent) and n == 3:
+            s.cancel()
+    assert s.history[-1].finish == "cancelled" and s.caches[0].evicted > 0
+    held = len(s.cached)
+    assert held > 3 * 32
+    report = s.switch_mode("prealloc")
+    assert report.action == "reprefilled", report.line()
+    assert len(s.cached) == held and s.caches[0].offset == held and s.caches[0].evicted == 0
+    assert s.cache_consistent()
+
+
+def test_a_switch_cancelled_while_it_reprefills_says_so(stories, monkeypatch):
+    """A cancel that does land during a re-prefill leaves the caches consistent and the report honest:
+    how much was prefilled, and that the next turn prefills the rest."""
+    import chatapp.engine.session as session_module
+
+    monkeypatch.setattr(session_module, "FULL_PREFILL_STEP", 32)
+    model, tok = stories
+    s = Session(model, tok, generation=GREEDY, mode="window",
+                cache_settings=CacheSettings(sinks=4, window=64, evict_chunk=32))
+    for q in QUESTIONS[:4]:
+        run(s.send(q))
+    held = len(s.cached)
+    real_prefill = s._prefill
+
+    def cancel_after_first_chunk(tokens, stats, step):
+        for item in real_prefill(tokens, stats, step):
+            s.cancel()
+            yield item
+
+    monkeypatch.setattr(s, "_prefill", cancel_after_first_chunk)
+    report = s.switch_mode("prealloc")
+    assert report.action == "stopped", report.line()
+    assert f"32 of {held}" in report.line() and "next turn" in report.line()
+    assert s.cache_consistent() and len(s.cached) == 32
+    monkeypatch.undo()
+    done = run(s.send(QUESTIONS[4]))  # the next turn starts clear and prefills the rest
+    assert done.stats.finish != "cancelled" and done.stats.reused_tokens >= 32
+    assert s.cache_consistent()
+
+
 def test_auto_policy_switches_to_window_when_long(stories):
     model, tok = stories
     s = Session(model, tok, generation=GREEDY, mode="auto", long_after=100,

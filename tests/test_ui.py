@@ -354,7 +354,7 @@ async def test_cycle_mode_mid_conversation(stories4_path):
         await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.bridge.busy,
                          what="the switch")
         assert app.mode == "concat" and "mode concat" in app.query_one(StatusBar).plain
-        assert "Switched" in app.event_log
+        assert "Switched" in app.event_log and "SessionInfo" not in app.event_log  # Loaded and Switched describe
         await turn(pilot, "What did the cat eat?")
         assert app.last_stats.mode == "concat" and app.entries[-1].text
         assert app.last_stats.reused_tokens > 0  # the converted cache was kept
@@ -371,6 +371,9 @@ async def test_switch_during_a_reply_applies_when_it_ends(stories4_path):
         await wait_until(pilot, lambda: app.info.mode == "window" and not app.bridge.busy, what="the switch")
         log = list(app.event_log)
         assert log.index("TurnDone") < log.index("Switched")
+        # Switched carried the new session's description: no Describe round-trip after it.
+        assert "SessionInfo" not in log[log.index("Switched"):]
+        assert app.info.effective and app.cache_view.mode == "window"
         assert app.history[0].mode == "prealloc"
         await turn(pilot, "And then?")
         assert app.last_stats.mode == "window"

@@ -173,6 +173,10 @@ def test_validate_mode_fields():
     _, errors = validate_mode_fields("nope", {**good, "window": "", "sinks": "x"})
     assert errors["mode"].startswith("choose one of") and errors["window"] == "required"
     assert errors["sinks"] == "must be a whole number"
+    values, errors = validate_mode_fields("window-quant", {**good, "kv_key_layout": "channel"})
+    assert errors == {} and values["kv_key_layout"] == "channel"
+    _, errors = validate_mode_fields("window-quant", {**good, "kv_key_layout": "row"})
+    assert errors == {"kv_key_layout": "must be token or channel"}
 
 
 def test_next_mode_cycles_through_all():

@@ -30,7 +30,7 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
     history = conv.copy()
     del history.messages[i:]
     gen = GenerationSettings(temp=0.0, max_tokens=max_tokens)
-    session.cancel_token.clear()
+    session.start_request()
     # Warm up (first-call kernel set-up would otherwise be charged to the first mode).
     warm = make_caches(session.model, CacheSettings(mode="prealloc"), session.geometry)
     mx.eval(session.model(mx.array([[0, 1]]), cache=warm))

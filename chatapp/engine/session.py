@@ -26,7 +26,7 @@ from cache import (
     reserve_tokens,
 )
 from cache.layers import is_ours, primary, trim_reason, uniform
-from cache.settings import AUTO
+from cache.settings import AUTO, AUTO_STARTS_AS, starting_mode
 from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
@@ -88,7 +88,7 @@ class Session:
         self._sparsity: float | None = None  # the last full view's attention sparsity
         # Leading tokens (the system prompt) the evicting modes never evict.
         self.pinned = self._system_tokens()
-        self.settings = self._settings_for(mode if mode != AUTO else "prealloc")
+        self.settings = self._settings_for(starting_mode(mode))
         self.notices.extend(notices or [])  # after the settings' own notes, as they came before
         self.caches = make_caches(model, self.settings, self.geometry)
         self.cached: list[int] = []  # token ids the caches represent, evicted ones included
@@ -137,9 +137,15 @@ class Session:
             return "window"
 
     def switch_mode(self, mode: str, **changes) -> SwitchReport:
-        """Switch the cache mode (and settings) now: convert the live cache, or re-prefill."""
+        """Switch the cache mode (and settings) now: convert the live cache, or re-prefill.
+        A request of its own (the F3 key, ``/mode``): it starts with a clear cancel flag."""
+        self.start_request()
+        return self._switch(mode, **changes)
+
+    def _switch(self, mode: str, **changes) -> SwitchReport:
+        """:meth:`switch_mode` within a request already running (a turn's auto policy, a restore)."""
         if mode == AUTO:
-            target = self._long_mode() if len(self.cached) > self.long_after else "prealloc"
+            target = self._long_mode() if len(self.cached) > self.long_after else AUTO_STARTS_AS
         else:
             target = mode
         base = self.base_settings.with_(**changes) if changes else self.base_settings
@@ -155,6 +161,10 @@ class Session:
             self.kv_exact, self.restored = True, 0
             if tokens:
                 self.prefill(tokens)
+            if len(self.cached) < len(tokens):  # cancelled between two chunks; the caches hold what ran
+                reason = (f"cancelled after {len(self.cached)} of {len(tokens)} tokens; "
+                          "the next turn prefills the rest")
+                return SwitchReport(target, "stopped", reason, time.perf_counter() - start, notes)
             return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
         return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
@@ -162,7 +172,7 @@ class Session:
         """Auto mode: prealloc while short, the long-history policy once past ``long_after``."""
         if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
             return None
-        report = self.switch_mode(AUTO)
+        report = self._switch(AUTO)
         self.requested_mode = AUTO
         return report
 
@@ -301,6 +311,16 @@ class Session:
         """Stop the running reply between two tokens (safe from any thread)."""
         self._cancel.set()
 
+    def start_request(self) -> None:
+        """A request that runs model work starts: forget a cancel meant for an earlier one.
+
+        A cancel stops what runs when it is set; one that arrives as a reply ends (Esc after the
+        last token, or a reply cancelled with a mode switch queued behind it) must not stop the
+        next request. The engine's dispatcher calls this before every request
+        (``EngineWorker._run``); :meth:`reply` and :meth:`switch_mode` call it too, for front ends
+        that drive a Session directly (``--no-tui``'s ``/mode``, the benches)."""
+        self._cancel.clear()
+
     @property
     def cancel_token(self):
         """The event that stops this session's replies (given at construction, or its own)."""
@@ -309,7 +329,7 @@ class Session:
     # ---- one turn -----------------------------------------------------------------------------
     def reply(self) -> Iterator[PrefillProgress | TokenEvent | TurnDone]:
         """Generate the assistant's reply to the conversation as it stands, streaming events."""
-        self._cancel.clear()
+        self.start_request()
         t0 = time.perf_counter()
         mx.reset_peak_memory()
         prompt = self.format.tokens(self.conversation)
@@ -595,13 +615,13 @@ class Session:
         self.restored = len(cached)
         self.pinned = self._system_tokens()
         if self.requested_mode == AUTO:
-            fits = settings.mode == "prealloc" or (settings.evicts and settings.mode == self._long_mode())
+            fits = settings.mode == AUTO_STARTS_AS or (settings.evicts and settings.mode == self._long_mode())
         else:
             fits = settings.mode == self.requested_mode
         if fits and settings == self._settings_for(settings.mode):
             return None
         requested = self.requested_mode
-        report = self.switch_mode(requested)
+        report = self._switch(requested)
         self.requested_mode = requested
         return report
 
@@ -618,7 +638,7 @@ class Session:
         on it."""
         if self.requested_mode != AUTO or self.settings.evicts:
             return None
-        report = self.switch_mode(self._long_mode())
+        report = self._switch(self._long_mode())
         self.requested_mode = AUTO
         return report
 
@@ -629,9 +649,10 @@ class Session:
 
     def describe(self) -> SessionInfo:
         """A plain description of the session (its mode, settings, cache and memory) for a front end."""
-        def fields(s: CacheSettings) -> dict[str, int]:
+        def fields(s: CacheSettings) -> dict[str, int | str]:
             return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
-                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens}
+                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens,
+                    "kv_key_layout": s.kv_key_layout}
 
         cache = self.cache_view()
         messages = self.conversation.messages

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cache import CacheConfigError, CacheSettings
+from cache.settings import starting_mode
 from chatapp.errors import SetupError
 from chatapp.model.device import pick_backend
 from chatapp.model.hub import DownloadProgress
@@ -61,7 +62,7 @@ def cache_settings_from(config, mode: str | None = None) -> CacheSettings:
     mode = mode or c.mode
     try:
         return CacheSettings(
-            mode=mode if mode != "auto" else "prealloc", chunk_size=c.chunk_size, sinks=c.sinks,
+            mode=starting_mode(mode), chunk_size=c.chunk_size, sinks=c.sinks,
             window=c.window, evict_chunk=c.evict_chunk, kv_bits=c.kv_bits, kv_group_size=c.kv_group_size,
             quant_start=c.quant_start, max_kv_tokens=c.max_kv_tokens, kv_key_layout=c.kv_key_layout,
         )

@@ -3,7 +3,9 @@
 MLX streams belong to threads (mlx-lm issue 1181 shows a crash on GPU backends otherwise), so
 loading, prefill, decode and cache conversion all run on this one thread. Callers submit typed
 requests (:mod:`chatapp.engine.requests`); results come back through ``on_event`` as the
-dataclasses of :mod:`chatapp.engine.events` (the TUI turns them into Textual messages).
+dataclasses of :mod:`chatapp.engine.events` (the TUI turns them into Textual messages); an event
+that reports a change of the session carries the session's description after it, so a front end
+never asks again.
 ``cancel()`` is safe to call from any thread.
 """
 
@@ -15,7 +17,7 @@ import traceback
 from typing import Any, Callable
 
 from .compare import compare_modes
-from .events import CompareResult, Failed, Idle, Loaded, Switched
+from .events import CompareResult, Failed, Idle, Loaded, SessionInfo, Switched
 from .requests import Compare, Describe, EditLast, NewChat, Quit, Regenerate, Request, Send, SwitchMode
 from .session import Session
 
@@ -54,15 +56,16 @@ class EngineWorker:
         except Exception as e:  # noqa: BLE001 - reported to the user as one line
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
             return
-        self._emit(Loaded(self.session.model_id, self.session.load_lines()))
+        self._emit(Loaded(self.session.model_id, self.session.load_lines(), self.describe()))
         while True:
             request = self._queue.get()
             if isinstance(request, Quit):
                 return
             try:
+                self.session.start_request()  # a cancel meant for the request before is forgotten
                 self._dispatch(request)
             except Exception as e:  # noqa: BLE001
-                self._emit(Failed(f"{request.kind} failed: {e}", traceback.format_exc()))
+                self._emit(Failed(f"{request.kind} failed: {e}", traceback.format_exc(), self.describe()))
             finally:
                 self._emit(Idle())
 
@@ -76,17 +79,31 @@ class EngineWorker:
             case EditLast(text):
                 self._stream(s.edit_last(text))
             case SwitchMode(mode, changes):
-                self._emit(Switched(s.switch_mode(mode, **changes)))
+                self._emit(Switched(s.switch_mode(mode, **changes), self.describe()))
             case Compare(modes, max_tokens):
                 # One row per mode, sent as each finishes; a cancel ends the comparison early.
                 for n, row in enumerate(compare_modes(s, list(modes), max_tokens=max_tokens)):
                     self._emit(CompareResult(row, done=n == len(modes) - 1))
             case NewChat():
                 s.new_chat()
+                self._emit_description()
             case Describe():
                 self._emit(s.describe())
             case _:
                 raise ValueError(f"the engine does not handle {request.kind!r} requests")
+
+    def describe(self) -> SessionInfo | None:
+        """Engine thread: the session's description for an event that changed it; None when there is
+        no session yet or it cannot describe itself (the failure is the event's own story)."""
+        try:
+            return self.session.describe() if self.session is not None else None
+        except Exception:  # noqa: BLE001 - an event must not fail for want of its description
+            return None
+
+    def _emit_description(self) -> None:
+        info = self.describe()
+        if info is not None:
+            self._emit(info)
 
     def _stream(self, events) -> None:
         for ev in events:

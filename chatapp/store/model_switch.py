@@ -12,43 +12,11 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from .chat import MiB, ModelIdentity, PersistentChat
+from chatapp.engine.events import ModelReleased, ModelSwitch
 
-
-@dataclass
-class ModelSwitch:
-    spec: str
-    ok: bool
-    error: str = ""
-    model_id: str = ""
-    load_seconds: float = 0.0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    active_before: int = 0  # MLX active bytes before the switch (the old model loaded)
-    notes: list[str] = field(default_factory=list)
-
-    def line(self) -> str:
-        if not self.ok:
-            return self.error
-        cost = (f"re-prefilled {self.prefill_tokens} tokens in {self.prefill_seconds:.2f} s"
-                if self.prefill_tokens else "nothing to re-prefill")
-        return f"switched to {self.model_id}: loaded in {self.load_seconds:.1f} s, {cost}"
-
-
-@dataclass
-class ModelReleased:
-    """What freeing the old model gave back (MLX's active bytes before the switch and now)."""
-
-    active_before: int
-    active_after: int
-
-    def line(self) -> str:
-        mib = lambda n: f"{n / MiB:.1f} MiB"  # noqa: E731
-        return (f"old model released: MLX active memory {mib(self.active_before)} with it (before the switch), "
-                f"{mib(self.active_after)} now")
+from .chat import ModelIdentity, PersistentChat
 
 
 def release_old_model(active_before: int) -> ModelReleased:

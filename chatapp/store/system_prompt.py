@@ -10,28 +10,9 @@ see PersistentChat.store_prefix). The saved transcript is rewritten at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from chatapp.engine.events import SystemChange
 
 from .textio import clean_text
-
-
-@dataclass
-class SystemChange:
-    text: str
-    changed: bool
-    reprefill: int = 0  # conversation tokens the next turn prefills
-    kept: int = 0  # leading tokens the old cache shared with the new conversation (the template's header)
-    stored: int = 0  # of the new prompt, tokens the prefix store holds (a warm start)
-
-    def line(self) -> str:
-        if not self.changed:
-            return "the system prompt is unchanged"
-        what = "system prompt set" if self.text else "system prompt removed"
-        if not self.reprefill:
-            return f"{what}; it is prefilled with the first message"
-        warm = f", {self.stored} of them from the prefix store" if self.stored else ""
-        return (f"{what}: every later token attends to it, so the next turn prefills the conversation again "
-                f"({self.reprefill} tokens{warm})")
 
 
 def set_system_prompt(chat, session, text: str) -> SystemChange:

@@ -29,16 +29,17 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from chatapp.engine.events import SessionInfo
+from cache.settings import starting_mode
+from chatapp.engine.events import SessionInfo, TranscriptLoaded
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from .bridge import EngineBridge
+from .coalesce import Coalescer
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
 from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
 from .format import MODES, next_mode
 from .markers import EvictionWatch
-from .messages import TranscriptLoaded
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
@@ -86,7 +87,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.failures: list[tuple[str, str]] = []  # (message, traceback) of every Failed event
         self.model_id = config.model.id
         self.info: SessionInfo | None = None
-        self.mode = config.cache.mode if config.cache.mode != "auto" else "prealloc"
+        self.mode = starting_mode(config.cache.mode)
         self.requested_mode = config.cache.mode
         self.entries: list[Entry] = []
         self.last_stats: TurnStats | None = None
@@ -108,6 +109,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self._seen_notices: set[str] = set()
         self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
+        self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -170,9 +172,8 @@ class ChatApp(ComfortActions, EngineLinkApp):
         """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
         if self._refuse_busy("open"):
             return
-        self.bridge.open_conversation(conversation_id)
+        self.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
         self._update_input_state()
-        self.request_info()
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         if not self.loaded:
@@ -280,8 +281,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         if self._refuse_busy("new chat"):
             return
         await self._clear_conversation()
-        self.submit(NewChat())
-        self.request_info()
+        self.submit(NewChat())  # the engine answers with the new session's description
         self._update_panel()
         self.notify("new chat", markup=False, timeout=2)
 
@@ -363,7 +363,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         settings = self.info.settings if self.info else {
             "window": self.config.cache.window, "sinks": self.config.cache.sinks,
             "kv_bits": self.config.cache.kv_bits, "kv_group_size": self.config.cache.kv_group_size,
-            "max_kv_tokens": self.config.cache.max_kv_tokens}
+            "max_kv_tokens": self.config.cache.max_kv_tokens, "kv_key_layout": self.config.cache.kv_key_layout}
         effective = self.info.effective if self.info else {}
 
         def done(result) -> None:

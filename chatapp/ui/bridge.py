@@ -16,16 +16,15 @@ import traceback
 from collections import deque
 from typing import Any, Callable
 
-from chatapp.engine.events import LoadProgress, PrefillProgress, TokenEvent
+from chatapp.engine.events import ChatNotes, LoadProgress, PrefillProgress, StartupFailed, TokenEvent, TranscriptLoaded
 from chatapp.engine.requests import (
     DeleteConversation,
-    Describe,
     OpenConversation,
     RenameConversation,
     Request,
 )
 
-from .messages import ChatNotes, StartupFailed, TranscriptLoaded, message_for
+from .messages import message_for
 
 
 class EngineBridge:
@@ -78,7 +77,7 @@ class EngineBridge:
                          prefix_cap_mb=self.config.data.prefix_cap_mb)
         self.chat = chat
         if chat.resume_info is not None:
-            self.emit_transcript(chat)
+            self.emit_transcript(chat)  # shown once loaded; ``Loaded`` describes the session
         self.emit_notes()
 
     def emit_notes(self, extra: list[tuple[str, str]] | None = None) -> None:
@@ -89,12 +88,13 @@ class EngineBridge:
         if notes:
             self._post(message_for(ChatNotes(notes)))
 
-    def emit_transcript(self, chat) -> None:
+    def emit_transcript(self, chat, session_info=None) -> None:
+        """Engine thread: the conversation ``chat`` resumed, with ``session_info`` (the session with it)."""
         info = chat.resume_info
         title = chat.store.get(info.conversation_id).title if chat.store is not None else ""
         messages = [(m.role, m.content, m.interrupted) for m in chat.session.conversation.messages]
         self._post(message_for(TranscriptLoaded(info.conversation_id, title, messages, info.from_snapshot,
-                                                info.line())))
+                                                info.line(), session_info)))
         # The "snapshot not used" note is that line itself: show it once.
         notes = [(n.level, n.text) for n in chat.take_notes() if n.text != info.line()]
         if notes:
@@ -132,10 +132,6 @@ class EngineBridge:
     def submit(self, request: Request) -> None:
         self.in_flight.append(request)
         self.worker.submit(request)
-
-    def request_info(self) -> None:
-        """Ask the engine thread for a :class:`SessionInfo` (arrives as an event)."""
-        self.submit(Describe())
 
     # -- saved conversations (the sessions screen); each runs on the engine thread (ChatWorker) ----------
     def data_dir(self):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Callable
 
-from chatapp.engine.events import Failed, LoadProgress
+from chatapp.engine.events import ConversationChanged, Failed, LoadProgress
 from chatapp.engine.requests import (
     DeleteConversation,
     EditLast,
@@ -31,8 +31,6 @@ from chatapp.engine.worker import EngineWorker
 from chatapp.store import StoreError
 from chatapp.store.model_switch import release_old_model, switch_model
 from chatapp.store.system_prompt import set_system_prompt
-
-from .messages import ConversationChanged
 
 
 class _NotSaving(Exception):
@@ -71,6 +69,7 @@ class ChatWorker(EngineWorker):
             case NewChat():
                 chat.new_chat()
                 self.bridge.emit_notes()
+                self._emit_description()
             case OpenConversation(conversation_id):
                 self._open(chat, conversation_id)
             case RenameConversation(conversation_id, title):
@@ -80,7 +79,9 @@ class ChatWorker(EngineWorker):
                 self._store_op(f"cannot delete conversation {conversation_id}",
                                lambda: self._delete(chat, conversation_id))
             case SetSystemPrompt(text):
-                self._emit(set_system_prompt(chat, self.session, text))
+                change = set_system_prompt(chat, self.session, text)
+                change.info = self.describe()
+                self._emit(change)
                 self.bridge.emit_notes()
             case SwitchModel(spec):
                 self._switch_model(chat, spec)
@@ -95,6 +96,7 @@ class ChatWorker(EngineWorker):
         if result.ok:
             self.session = new_chat.session
             self.bridge.chat, self.bridge.config = new_chat, config
+            result.info, result.config = self.describe(), config
         del chat, new_chat
         self._emit(result)
         self.bridge.emit_notes()
@@ -112,7 +114,7 @@ class ChatWorker(EngineWorker):
         except StoreError as e:
             self.bridge.emit_notes([("error", f"cannot open conversation {conversation_id}: {e}")])
             return
-        self.bridge.emit_transcript(chat)
+        self.bridge.emit_transcript(chat, self.describe())
 
     @staticmethod
     def _rename(chat, conversation_id: int, title: str) -> ConversationChanged:
@@ -133,7 +135,8 @@ class ChatWorker(EngineWorker):
         if current:
             chat.new_chat()  # the session forgets it too
         chat.store.delete(conversation_id)
-        return ConversationChanged(conversation_id, deleted=True, current=current)
+        return ConversationChanged(conversation_id, deleted=True, current=current,
+                                   info=chat.session.describe() if current else None)
 
     def _store_op(self, what: str, fn: Callable[[], ConversationChanged]) -> None:
         try:

@@ -133,8 +133,7 @@ class ComfortActions:
         self.push_screen(SystemPromptDialog(current), done)
 
     def set_system_prompt(self, text: str) -> None:
-        self.submit(SetSystemPrompt(text))
-        self.request_info()
+        self.submit(SetSystemPrompt(text))  # SystemChange brings the session's description
 
     async def _system_changed(self, change) -> None:
         self.notify(change.line(), title="system prompt", markup=False, timeout=8)
@@ -162,6 +161,7 @@ class ComfortActions:
         for i, e in enumerate(self.entries):
             if e.widget is not None:
                 e.widget.conv_index = i
+        self._describe(change.info)
 
     # ---- switch model ---------------------------------------------------------------------------
     def recent_models(self) -> list[str]:
@@ -196,8 +196,7 @@ class ComfortActions:
             if dialog is not None and dialog.is_attached:  # let the dialog take another Enter
                 dialog.failed("not switched: wait for the reply to finish (Esc stops it), then press Enter again")
             return
-        self.submit(SwitchModel(spec))
-        self.request_info()
+        self.submit(SwitchModel(spec))  # ModelSwitch brings the new session's description
         self.phase = f"loading {spec}"
         self._update_status()
 
@@ -210,7 +209,7 @@ class ComfortActions:
             else:
                 self.notify(result.line(), severity="error", markup=False, timeout=10)
             return
-        self.config = self.bridge.config
+        self.config = result.config if result.config is not None else self.config
         self.model_id = result.model_id
         self.store_notes.append(("note", result.line()))
         if dialog is not None and dialog.is_attached:
@@ -219,7 +218,7 @@ class ComfortActions:
         self.notify(result.line(), title="model switched", markup=False, timeout=12)
         for note in result.notes:
             self._notice(note)
-        self._update_status()
+        self._describe(result.info)
 
     # ---- the command palette ----------------------------------------------------------------------
     def comfort_commands(self) -> Iterable[SystemCommand]:

@@ -21,7 +21,7 @@ from textual.app import App
 
 from cache.settings import CAPPED
 from chatapp.engine.events import SessionInfo
-from chatapp.engine.requests import Compare, Describe, EditLast, Regenerate, Request, Send, SwitchMode
+from chatapp.engine.requests import Compare, EditLast, Regenerate, Request, Send
 from chatapp.engine.stats import CacheView, TurnStats
 
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
@@ -139,7 +139,7 @@ class EngineLinkApp(App[int]):
         ev = message.event
         self.live_stats = self._fz(ev.stats)
         self._pending_text += ev.text
-        self._update_status()
+        self.status_rate.request()  # rebuilt a few times a second, not per token (ui/coalesce.py)
 
     @on(PrefillMessage)
     def _on_prefill(self, message: PrefillMessage) -> None:
@@ -147,7 +147,7 @@ class EngineLinkApp(App[int]):
         ev = message.event
         self.live_stats = self._fz(ev.stats)
         self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
-        self._update_status()
+        self.status_rate.request()
 
     @on(TurnDoneMessage)
     async def _on_turn_done(self, message: TurnDoneMessage) -> None:
@@ -170,7 +170,7 @@ class EngineLinkApp(App[int]):
         report = message.event.report
         self.notify(report.line(), title="cache mode", markup=False)
         self.mode = report.mode
-        self._update_status()
+        self._describe(message.event.info)
 
     @on(CompareMessage)
     def _on_compare(self, message: CompareMessage) -> None:
@@ -200,9 +200,16 @@ class EngineLinkApp(App[int]):
             self._notice(note)
         if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
             self.notify(self.blas.summary(), markup=False)
-        self.request_info()
+        self._describe(ev.info)
         self.query_one(ChatInput).focus()
         self._update_status()
+
+    def _describe(self, info: SessionInfo | None) -> None:
+        """A state change's event came with the session it produced: show it (no second request)."""
+        if info is not None:
+            self._session_info(info)
+        else:
+            self._update_status()
 
     def _session_info(self, info: SessionInfo) -> None:
         if self.freeze_stats:
@@ -261,8 +268,6 @@ class EngineLinkApp(App[int]):
                 self.live_stats = None
             case Compare() if self.compare_screen is not None:
                 self.compare_screen.finish()
-            case SwitchMode():
-                self.request_info()
         if not self.bridge.busy:
             self.phase = ""
             if self.queued:
@@ -272,6 +277,8 @@ class EngineLinkApp(App[int]):
 
     def _failed(self, ev) -> None:
         self.failures.append((ev.message, ev.detail))
+        if getattr(ev, "info", None) is not None:  # the session after the failed request (StartupFailed has none)
+            self._session_info(ev.info)
         if not self.loaded:
             self.load_error = ev.message
             if self.loading_screen is not None:
@@ -318,6 +325,8 @@ class EngineLinkApp(App[int]):
         self.conversation_title = ev.title
         self.resume_line = ev.line
         self.sub_title = ev.title
+        if ev.info is not None:
+            self._session_info(ev.info)
         self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
                     severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
         self._update_input_state()
@@ -328,7 +337,7 @@ class EngineLinkApp(App[int]):
         if ev.deleted:
             if ev.current:
                 await self._clear_conversation()
-                self.request_info()
+                self._describe(ev.info)
             self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
         else:
             if ev.current:
@@ -356,7 +365,9 @@ class EngineLinkApp(App[int]):
 
     # ---- streaming ----------------------------------------------------------------------------------
     async def _flush_stream(self) -> None:
-        """Move the text received since the last tick into the reply (on a timer, and at the end)."""
+        """Move the text received since the last tick into the reply (on a timer, and at the end);
+        the timer also rebuilds the status bar when figures wait for their interval."""
+        self.status_rate.tick()
         if self._stream_lock is None:
             return
         async with self._stream_lock:
@@ -380,8 +391,6 @@ class EngineLinkApp(App[int]):
         self.bridge.submit(request)
         self._update_input_state()
 
-    def request_info(self) -> None:
-        self.submit(Describe())
 
     # ---- the transcript mirror --------------------------------------------------------------------------
     async def _mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
@@ -442,6 +451,10 @@ class EngineLinkApp(App[int]):
         return None
 
     def _update_status(self) -> None:
+        """Rebuild the status bar now (per-token figures go through ``status_rate.request``)."""
+        self.status_rate.now()
+
+    def _rebuild_status(self) -> None:
         if not self.is_mounted:
             return
         live = self._reply is not None and self.live_stats is not None

@@ -17,7 +17,17 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from cache.settings import AUTO, CAPPED, CHOICES, CROSS_RULES, EVICTING, MINIMUM, MODE_CHOICES, QUANTIZING
+from cache.settings import (
+    AUTO,
+    CAPPED,
+    CHOICES,
+    CROSS_RULES,
+    EVICTING,
+    KEY_LAYOUTS,
+    MINIMUM,
+    MODE_CHOICES,
+    QUANTIZING,
+)
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
@@ -39,6 +49,7 @@ MODE_FIELDS = {
     "kv_bits": (*QUANTIZING, AUTO),
     "kv_group_size": (*QUANTIZING, AUTO),
     "max_kv_tokens": (*CAPPED, AUTO),
+    "kv_key_layout": (*QUANTIZING, AUTO),
 }
 
 SEP = " │ "
@@ -380,14 +391,14 @@ def policy_text(cache: CacheView | None) -> Text:
 
 
 # ---- the mode dialog -------------------------------------------------------------------------------
-def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int], dict[str, str]]:
+def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int | str], dict[str, str]]:
     """Parse and check the dialog's fields (the same rules as ``CacheSettings.validate``).
 
     Returns (values, errors): ``errors`` maps a field to a one-line reason; ``values`` holds
     every field that parsed.
     """
     errors: dict[str, str] = {}
-    values: dict[str, int] = {}
+    values: dict[str, int | str] = {}
     if mode not in MODES:
         errors["mode"] = f"choose one of {', '.join(MODES)}"
     for name in ("window", "sinks", "max_kv_tokens", "kv_bits", "kv_group_size"):
@@ -403,6 +414,11 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int]
             errors[name] = f"must be {_one_of(CHOICES[name])}"
         elif name in MINIMUM and values[name] < MINIMUM[name]:
             errors[name] = f"must be >= {MINIMUM[name]}"
+    layout = str(raw.get("kv_key_layout", KEY_LAYOUTS[0]))
+    if layout in KEY_LAYOUTS:
+        values["kv_key_layout"] = layout
+    else:
+        errors["kv_key_layout"] = f"must be {_one_of(KEY_LAYOUTS)}"
     for rule in CROSS_RULES:  # each read once its fields are whole numbers in range
         broken = None if errors.keys() & set(rule.fields) else rule.violation(values)
         if broken is not None:

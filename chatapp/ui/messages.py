@@ -1,71 +1,37 @@
 """What the engine tells the TUI: one Textual :class:`Message` per event kind.
 
-The engine thread's events (:mod:`chatapp.engine.events`) and the bridge's own (below: store
-notes, a transcript resumed, a conversation renamed or deleted, an engine that cannot start)
-are wrapped by :func:`message_for` into the message of their kind, and posted to the app
-(``post_message`` is thread-safe). The app handles each kind with its own ``@on`` handler.
-Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which
+Every event that crosses the engine thread (:mod:`chatapp.engine.events`, their one home: the
+engine's, the store's and the bridge's own) is wrapped by :func:`message_for` into the message of
+its kind and posted to the app (``post_message`` is thread-safe). The app handles each kind with
+its own ``@on`` handler. Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which
 the app records in ``event_log``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from textual.message import Message
 
 from chatapp.engine.events import (
+    ChatNotes,
     CompareResult,
+    ConversationChanged,
     Failed,
     Idle,
     Loaded,
     LoadProgress,
+    ModelReleased,
+    ModelSwitch,
     PrefillProgress,
     SessionInfo,
+    StartupFailed,
     Switched,
+    SystemChange,
     TokenEvent,
+    TranscriptLoaded,
     TurnDone,
 )
-from chatapp.store.model_switch import ModelReleased, ModelSwitch
-from chatapp.store.system_prompt import SystemChange
-
-
-# ---- events of the bridge's own (emitted on the engine thread) ------------------------------------
-@dataclass
-class ChatNotes:
-    """One-line notes and errors from the conversation store (``(level, text)``, level "note" or "error")."""
-
-    notes: list[tuple[str, str]]
-
-
-@dataclass
-class TranscriptLoaded:
-    """A saved conversation became the session's (sessions screen or ``--resume``)."""
-
-    conversation_id: int
-    title: str
-    messages: list[tuple[str, str, bool]]  # (role, content, interrupted)
-    from_snapshot: bool
-    line: str  # how it was resumed: from the KV snapshot, or re-prefilled and why
-
-
-@dataclass
-class ConversationChanged:
-    """A saved conversation was renamed (``title``) or deleted (``deleted``)."""
-
-    conversation_id: int
-    title: str = ""
-    deleted: bool = False
-    current: bool = False  # it was the conversation on screen
-
-
-@dataclass
-class StartupFailed:
-    """The engine could not even be imported (e.g. MLX is missing); like ``Failed`` at load."""
-
-    message: str
-    detail: str = ""
 
 
 # ---- the messages -------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
 
+from cache.settings import KEY_LAYOUTS
 from chatapp.textsafe import printable
 
 from .clipboard import OSC52_NOTE
@@ -147,7 +148,9 @@ class ModeDialog(ModalScreen[tuple[str, dict] | None]):
         ("kv_bits", "kv_bits", "4 or 8"),
         ("kv_group_size", "kv_group_size", "32, 64 or 128"),
         ("max_kv_tokens", "max_kv_tokens", "window-quant budget"),
+        ("kv_key_layout", "key layout", "quantised keys per token or channel"),
     ]
+    CHOICE_FIELDS = {"kv_key_layout": KEY_LAYOUTS}  # a Select rather than a number
 
     def __init__(self, mode: str, settings: dict[str, int], effective: dict[str, int] | None = None,
                  busy: bool = False) -> None:
@@ -168,8 +171,14 @@ class ModeDialog(ModalScreen[tuple[str, dict] | None]):
             for name, label, hint in self.FIELDS:
                 with Horizontal(classes="field-row", id=f"row-{name}"):
                     yield Label(label, classes="field-label")
-                    yield Input(str(self.settings.get(name, "")), id=f"f-{name}", type="integer",
-                                compact=True, classes="field-input")
+                    if name in self.CHOICE_FIELDS:
+                        choices = self.CHOICE_FIELDS[name]
+                        value = self.settings.get(name, choices[0])
+                        yield Select([(c, c) for c in choices], value=value if value in choices else choices[0],
+                                     allow_blank=False, id=f"f-{name}", compact=True, classes="field-input")
+                    else:
+                        yield Input(str(self.settings.get(name, "")), id=f"f-{name}", type="integer",
+                                    compact=True, classes="field-input")
                     yield Static(Text(hint, style="dim"), id=f"e-{name}", classes="field-msg", markup=False)
             note = []
             changed = {k: v for k, v in self.effective.items() if self.settings.get(k) != v}
@@ -198,7 +207,7 @@ class ModeDialog(ModalScreen[tuple[str, dict] | None]):
             self._show_relevant()
 
     def raw_fields(self) -> dict[str, str]:
-        return {name: self.query_one(f"#f-{name}", Input).value for name, _, _ in self.FIELDS}
+        return {name: str(self.query_one(f"#f-{name}").value) for name, _, _ in self.FIELDS}
 
     def validate(self) -> tuple[dict[str, int], dict[str, str]]:
         values, errors = validate_mode_fields(self.mode, self.raw_fields())

@@ -238,7 +238,10 @@ class StatusBar(Widget):
         self.items = items
         width = self.content_size.width or 80
         lines = len(pack(items, width))
-        self.refresh(layout=lines != self._lines)
+        # Lay out again when the line count changed, or when the height laid out is not this
+        # count (a layout measured between two rebuilds, at another width or with other items).
+        shown = self.content_size.height
+        self.refresh(layout=lines != self._lines or (shown > 0 and shown != min(lines, 3)))
         self._lines = lines
 
     def get_content_height(self, container, viewport, width: int) -> int:
