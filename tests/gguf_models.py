@@ -14,6 +14,8 @@ CHATML = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 SHAPE = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16)
+# rows of 256 values and more, for the K-quants' super-blocks (same heads as SHAPE)
+WIDE = dict(SHAPE, hidden_size=256, intermediate_size=512, head_dim=64)
 
 
 def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
@@ -26,12 +28,12 @@ def byte_level_vocab() -> tuple[list[str], list[str], list[int]]:
     return tokens, ["\u0120 t"], types
 
 
-def random_llama(seed: int = 0, tied: bool = True, vocab: int = 259):
+def random_llama(seed: int = 0, tied: bool = True, vocab: int = 259, shape: dict = SHAPE):
     """mlx-lm's Llama with random float32 weights (rotate-half RoPE, Hugging Face layout)."""
     from mlx_lm.models.llama import Model, ModelArgs
 
     args = ModelArgs(model_type="llama", rms_norm_eps=1e-5, vocab_size=vocab, rope_theta=10000.0,
-                     tie_word_embeddings=tied, max_position_embeddings=512, **SHAPE)
+                     tie_word_embeddings=tied, max_position_embeddings=512, **shape)
     model = Model(args)
     mx.random.seed(seed)
     from mlx.utils import tree_flatten, tree_unflatten
@@ -59,15 +61,15 @@ def gguf_name(path: str) -> str:
     return f"{inv_top[base]}.{suffix}"
 
 
-def metadata(arch: str = "llama", vocab: tuple | None = None, **extra) -> list[tuple]:
+def metadata(arch: str = "llama", vocab: tuple | None = None, shape: dict = SHAPE, **extra) -> list[tuple]:
     tokens, merges, types = vocab or byte_level_vocab()
     meta = [
         ("general.architecture", arch), ("general.name", "tiny-test-llama"),
-        (f"{arch}.context_length", 512), (f"{arch}.embedding_length", SHAPE["hidden_size"]),
-        (f"{arch}.block_count", SHAPE["num_hidden_layers"]),
-        (f"{arch}.feed_forward_length", SHAPE["intermediate_size"]),
-        (f"{arch}.attention.head_count", SHAPE["num_attention_heads"]),
-        (f"{arch}.attention.head_count_kv", SHAPE["num_key_value_heads"]),
+        (f"{arch}.context_length", 512), (f"{arch}.embedding_length", shape["hidden_size"]),
+        (f"{arch}.block_count", shape["num_hidden_layers"]),
+        (f"{arch}.feed_forward_length", shape["intermediate_size"]),
+        (f"{arch}.attention.head_count", shape["num_attention_heads"]),
+        (f"{arch}.attention.head_count_kv", shape["num_key_value_heads"]),
         (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), (f"{arch}.rope.freq_base", 10000.0),
         ("tokenizer.ggml.model", "gpt2"), ("tokenizer.ggml.pre", "default"), ("tokenizer.ggml.tokens", tokens),
         ("tokenizer.ggml.merges", merges), ("tokenizer.ggml.token_type", Typed(9, types, T_INT32)),

@@ -24,7 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .gguf_file import QUANT_BITS, GGUFError, GGUFHeader, TensorInfo, read_header, unreadable_types
+from .gguf_file import (
+    QUANT_BITS,
+    REPACKED_BITS,
+    GGUFError,
+    GGUFHeader,
+    TensorInfo,
+    mlx_bits,
+    read_header,
+    unreadable_types,
+)
 from .gguf_tokenizer import build_tokenizer, check_vocabulary, vocab_summary
 
 SUPPORTED_ARCHITECTURES = ("llama",)  # llama.cpp's name for Llama 2/3, SmolLM, Mistral-style files
@@ -75,8 +84,8 @@ def check_header(header: GGUFHeader, where: str) -> None:
     other = unreadable_types(header)
     if other:
         kinds = ", ".join(f"{name} ({n} tensors)" for name, n in sorted(other.items()))
-        raise GGUFError(f"{where} holds {kinds}, which chatapp does not read: use a Q4_0, Q4_1, Q8_0 or "
-                        "F16 GGUF of the model, or its MLX conversion")
+        raise GGUFError(f"{where} holds {kinds}, which chatapp does not read: use a GGUF of the model in "
+                        f"{', '.join(READS)}, or its MLX conversion")
     names = {t.name for t in header.tensors}
     if "rope_freqs.weight" in names:
         raise GGUFError(f"{where} scales RoPE per frequency (rope_freqs, Llama 3.1 style), which chatapp does not "
@@ -94,8 +103,11 @@ def check_header(header: GGUFHeader, where: str) -> None:
     check_vocabulary(header, where)
 
 
+READS = (*QUANT_BITS, *REPACKED_BITS, "F16", "BF16", "F32")  # the block types read, for the refusals
+
+
 def _quant(t: TensorInfo) -> dict | None:
-    bits = QUANT_BITS.get(t.type_name)
+    bits = mlx_bits(t.type_name)
     return {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine"} if bits else None
 
 
@@ -193,12 +205,27 @@ def map_weights(raw: dict, config: dict, unpermuted: bool = False) -> dict:
     return out
 
 
+def layouts_line(header: GGUFHeader) -> str:
+    """'Q4_K -> 4-bit g32 fp32 scales, exact; Q6_K -> 8-bit g32 ... (requantised, not exact)': what
+    each block type of the file became in MLX."""
+    from .gguf_kquants import LAYOUTS
+
+    parts = []
+    for name in sorted(header.type_counts, key=lambda n: (-header.type_counts[n], n)):
+        if name in QUANT_BITS:  # mx.load's own mapping: fp16 scales, the block's own values
+            parts.append(f"{name} -> {QUANT_BITS[name]}-bit g{GROUP_SIZE} fp16 scales, exact")
+        elif name in LAYOUTS:
+            lay = LAYOUTS[name]
+            parts.append(f"{name} -> {lay.describe()}" + (", exact" if lay.exact else ""))
+    return "; ".join(parts)
+
+
 def describe(header: GGUFHeader) -> list[str]:
     """What the file is and what loading it did, for --verbose, the TUI's notes and --show-config."""
-    quantised = sum(n for name, n in header.type_counts.items() if name in QUANT_BITS)
+    quantised = sum(n for name, n in header.type_counts.items() if mlx_bits(name))
     return [
         f"GGUF file: {header.path} ({header.get('general.name', '?')}, {header.architecture}, GGUF v{header.version})",
-        f"GGUF tensors: {header.types_line()}",
+        f"GGUF tensors: {header.types_line()}" + (f" (as MLX: {layouts_line(header)})" if quantised else ""),
         f"GGUF conversion: {quantised} block-quantised tensors kept packed as MLX affine group-{GROUP_SIZE} "
         "weights (no float copy); attn_q/attn_k rows un-permuted for rotate-half RoPE; "
         + ("output tied to the embedding; " if "output.weight" not in {t.name for t in header.tensors} else "")
@@ -227,6 +254,10 @@ def load_gguf(path: str | Path) -> GGUFModel:
     config = config_from_header(header)
     tokenizer = build_tokenizer(header, where)
     direct = can_read()
+    repacked = sorted(set(header.type_counts) & set(REPACKED_BITS))
+    if not direct and repacked:
+        raise GGUFError(f"{where} holds {', '.join(repacked)} blocks, which chatapp repacks with its CPU kernels' "
+                        "numba, not installed here: use a Q4_0, Q4_1, Q8_0 or F16 GGUF, or the MLX conversion")
     if direct:  # one tensor at a time, rows un-permuted as they are read: no mapped file, no copies
         raw = read_tensors(header, row_orders(header, config))
     else:
