@@ -34,16 +34,12 @@ from .gguf_file import (
     read_header,
     unreadable_types,
 )
+from .gguf_arch import ARCHITECTURES, LLAMA_LAYERS, TOP_NAMES, Arch, arch_of, llama3_rope_scaling
 from .gguf_tokenizer import build_tokenizer, check_vocabulary, vocab_summary
 
-SUPPORTED_ARCHITECTURES = ("llama",)  # llama.cpp's name for Llama 2/3, SmolLM, Mistral-style files
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 GROUP_SIZE = 32  # every block quant MLX reads has blocks of 32
-LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = LLAMA_LAYERS  # (llama's: the names the tests' writer maps back)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _SUFFIXES = (".weight", ".scales", ".biases", ".bias")
 
@@ -59,16 +55,16 @@ class GGUFModel:
     notes: list[str] = field(default_factory=list)
 
 
-def module_path(gguf_name: str) -> str:
+def module_path(gguf_name: str, arch: Arch = ARCHITECTURES["llama"]) -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; GGUFError for a name
-    that has no place in a llama model."""
+    that has no place in the architecture's model."""
     m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in arch.layers:
+        return f"model.layers.{m.group(1)}.{arch.layers[m.group(2)]}.{m.group(3)}"
     base, _, suffix = gguf_name.rpartition(".")
     if base in TOP_NAMES and suffix in ("weight", "bias"):
         return f"{TOP_NAMES[base]}.{suffix}"
-    raise GGUFError(f"tensor {gguf_name!r} has no place in a llama model")
+    raise GGUFError(f"tensor {gguf_name!r} has no place in a {arch.name} model")
 
 
 def _meta(header: GGUFHeader, key: str, default: Any = None) -> Any:
@@ -77,27 +73,24 @@ def _meta(header: GGUFHeader, key: str, default: Any = None) -> Any:
 
 def check_header(header: GGUFHeader, where: str) -> None:
     """Everything that makes a file unusable, said in one line before any tensor is read."""
+    spec = arch_of(header, where)
     arch = header.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"unsupported GGUF architecture {arch or 'none'!r} in {where}: chatapp reads "
-                        f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama 2/3, SmolLM, Mistral-style) files")
     other = unreadable_types(header)
     if other:
         kinds = ", ".join(f"{name} ({n} tensors)" for name, n in sorted(other.items()))
         raise GGUFError(f"{where} holds {kinds}, which chatapp does not read: use a GGUF of the model in "
                         f"{', '.join(READS)}, or its MLX conversion")
     names = {t.name for t in header.tensors}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(f"{where} scales RoPE per frequency (rope_freqs, Llama 3.1 style), which chatapp does not "
-                        "read from GGUF yet: use the model's MLX conversion")
     for key in ("embedding_length", "block_count", "attention.head_count", "feed_forward_length"):
         if _meta(header, key) is None:
             raise GGUFError(f"{where} is missing {arch}.{key} in its metadata")
     if "token_embd.weight" not in names:
         raise GGUFError(f"{where} has no token_embd.weight tensor")
     for t in header.tensors:
+        if t.name in spec.extra_tensors:
+            continue
         try:
-            module_path(t.name)
+            module_path(t.name, spec)
         except GGUFError as err:
             raise GGUFError(f"{where}: {err}") from None
     check_vocabulary(header, where)
@@ -116,14 +109,28 @@ def _f32(x: float) -> float:
     return float(f"{float(x):.7g}")
 
 
+def _extra_tensor(header: GGUFHeader, name: str) -> list[float] | None:
+    """A small F32 tensor (rope_freqs) read straight from the file, for the config."""
+    import numpy as np
+
+    t = next((t for t in header.tensors if t.name == name), None)
+    if t is None:
+        return None
+    if t.type_name != "F32":
+        raise GGUFError(f"{header.path.name}: {name} is {t.type_name}, not F32")
+    return np.fromfile(header.path, np.float32, t.n_elements, offset=header.data_offset + t.offset).tolist()
+
+
 def config_from_header(header: GGUFHeader) -> dict:
-    """An mlx-lm/Hugging Face style llama config.json from the file's metadata."""
+    """An mlx-lm/Hugging Face style config.json from the file's metadata, for the architecture's
+    mlx-lm model."""
+    spec = arch_of(header, header.path.name)
     heads = int(_meta(header, "attention.head_count"))
     hidden = int(_meta(header, "embedding_length"))
     tokens = header.get("tokenizer.ggml.tokens") or []
     infos = {t.name: t for t in header.tensors}
     config: dict[str, Any] = {
-        "model_type": "llama",
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": int(_meta(header, "block_count")),
         "intermediate_size": int(_meta(header, "feed_forward_length")),
@@ -141,6 +148,12 @@ def config_from_header(header: GGUFHeader) -> dict:
     }
     if _meta(header, "rope.scaling.type") == "linear" and _meta(header, "rope.scaling.factor"):
         config["rope_scaling"] = {"type": "linear", "factor": float(_meta(header, "rope.scaling.factor"))}
+    freqs = _extra_tensor(header, "rope_freqs.weight") if "rope_freqs.weight" in spec.extra_tensors else None
+    if freqs is not None:
+        scaling = llama3_rope_scaling(freqs, config["rope_theta"], config["head_dim"], header, header.path.name)
+        if scaling:
+            config["rope_scaling"] = scaling
+    config.update(spec.extra(header, config))
     for key in ("bos", "eos"):
         if header.get(f"tokenizer.ggml.{key}_token_id") is not None:
             config[f"{key}_token_id"] = int(header.get(f"tokenizer.ggml.{key}_token_id"))
@@ -148,7 +161,7 @@ def config_from_header(header: GGUFHeader) -> dict:
     for t in header.tensors:
         q = _quant(t)
         if q is not None and t.name.endswith(".weight"):
-            quant[module_path(t.name)[: -len(".weight")]] = q
+            quant[module_path(t.name, spec)[: -len(".weight")]] = q
     if quant:
         bits = sorted((q["bits"] for q in quant.values()), key=[q["bits"] for q in quant.values()].count)[-1]
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": bits, "mode": "affine", **quant}
@@ -162,7 +175,10 @@ def _unpermute(w, n_heads: int):
 
 
 def _heads(config: dict) -> dict[str, int]:
-    """The tensors whose rows llama.cpp permuted, and the head count each permutation ran over."""
+    """The tensors whose rows llama.cpp permuted, and the head count each permutation ran over
+    (none but in a llama file: the others' RoPE is rotate-half in llama.cpp too)."""
+    if config["model_type"] != "llama":
+        return {}
     return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
 
 
@@ -186,21 +202,25 @@ def row_orders(header: GGUFHeader, config: dict) -> dict:
     return out
 
 
-def map_weights(raw: dict, config: dict, unpermuted: bool = False) -> dict:
-    """``mx.load``'s GGUF tensors -> mlx-lm llama parameter names, q/k rows un-permuted (unless
-    ``unpermuted``: read in their order already, gguf_tensors.py)."""
+def map_weights(raw: dict, config: dict, unpermuted: bool = False, arch: Arch = ARCHITECTURES["llama"]) -> dict:
+    """``mx.load``'s GGUF tensors -> mlx-lm parameter names, q/k rows un-permuted (unless
+    ``unpermuted``: read in their order already, gguf_tensors.py), norms shifted back."""
     heads = {} if unpermuted else _heads(config)
     out = {}
     for name, arr in raw.items():
+        if name in arch.extra_tensors:
+            continue
         base = next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
         suffix = name[len(base):]
         if suffix in (".weight", ".bias"):
-            target = module_path(name)
+            target = module_path(name, arch)
         else:  # .scales/.biases of a quantised tensor belong to its module
-            target = module_path(base + ".weight")[: -len(".weight")] + suffix
+            target = module_path(base + ".weight", arch)[: -len(".weight")] + suffix
         kind = base.rsplit(".", 1)[-1]
         if kind in heads:
             arr = _unpermute(arr, heads[kind])
+        if arch.norm_shift and name.endswith("norm.weight"):
+            arr = arr - arch.norm_shift  # (1 + w) - 1 is exact for float32 weights near 1
         out[target] = arr
     return out
 
@@ -227,7 +247,12 @@ def describe(header: GGUFHeader) -> list[str]:
         f"GGUF file: {header.path} ({header.get('general.name', '?')}, {header.architecture}, GGUF v{header.version})",
         f"GGUF tensors: {header.types_line()}" + (f" (as MLX: {layouts_line(header)})" if quantised else ""),
         f"GGUF conversion: {quantised} block-quantised tensors kept packed as MLX affine group-{GROUP_SIZE} "
-        "weights (no float copy); attn_q/attn_k rows un-permuted for rotate-half RoPE; "
+        "weights (no float copy); "
+        + ("attn_q/attn_k rows un-permuted for rotate-half RoPE; " if arch_of(header, "").permuted else "")
+        + (f"norm weights less {arch_of(header, '').norm_shift:g} (Gemma's 1 + w); "
+           if arch_of(header, "").norm_shift else "")
+        + (f"RoPE scaling {config_from_header(header)['rope_scaling'].get('rope_type', 'linear')}; "
+           if "rope_scaling" in config_from_header(header) else "")
         + ("output tied to the embedding; " if "output.weight" not in {t.name for t in header.tensors} else "")
         + f"tokenizer built from the metadata ({vocab_summary(header)})"
         + ("; chat template from the file" if header.get("tokenizer.chat_template") else "; no chat template"),
@@ -251,6 +276,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
 
     where = Path(path).name
     header = open_gguf(path)
+    spec = arch_of(header, where)
     config = config_from_header(header)
     tokenizer = build_tokenizer(header, where)
     direct = can_read()
@@ -265,10 +291,12 @@ def load_gguf(path: str | Path) -> GGUFModel:
             raw = mx.load(str(path))
         except Exception as err:  # noqa: BLE001 - the header was fine but the data is not
             raise GGUFError(f"cannot read the tensors of {where}: {type(err).__name__}: {err}") from err
-    weights = map_weights(raw, config, unpermuted=direct)
+    weights = map_weights(raw, config, unpermuted=direct, arch=spec)
     del raw
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
+    if hasattr(model, "sanitize"):  # mlx-lm's own: ties the output (gemma3_text drops its lm_head)
+        weights = model.sanitize(weights)
     quant = config.get("quantization", {})
     if quant:
         nn.quantize(model,
