@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .gguf_arch import ARCHITECTURES, LLAMA_LAYERS, TOP_NAMES, Arch, arch_of, llama3_rope_scaling
 from .gguf_file import (
     QUANT_BITS,
     REPACKED_BITS,
@@ -34,7 +35,6 @@ from .gguf_file import (
     read_header,
     unreadable_types,
 )
-from .gguf_arch import ARCHITECTURES, LLAMA_LAYERS, TOP_NAMES, Arch, arch_of, llama3_rope_scaling
 from .gguf_tokenizer import build_tokenizer, check_vocabulary, vocab_summary
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
