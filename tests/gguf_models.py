@@ -106,3 +106,59 @@ def write_model_gguf(path: Path, model, *, permute: bool = True, matrices: int =
             values = values.reshape(n, values.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
         out[name] = values
     return out
+
+
+GEMMA3 = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=64)
+
+
+def random_gemma3(seed: int = 0, vocab: int = 259):
+    """mlx-lm's gemma3_text with random float32 weights: layer 0 sliding (window 4), layer 1 global."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models.gemma3_text import Model, ModelArgs
+
+    args = ModelArgs(model_type="gemma3_text", vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=1e6,
+                     rope_local_base_freq=1e4, query_pre_attn_scalar=GEMMA3["head_dim"], sliding_window=4,
+                     sliding_window_pattern=2, max_position_embeddings=512, **GEMMA3)
+    model = Model(args)
+    model.sanitize({})  # tied output
+    mx.random.seed(seed)
+    params = {k: mx.random.normal(v.shape) * (0.1 if v.ndim > 1 else 0.3) for k, v in tree_flatten(model.parameters())}
+    model.update(tree_unflatten(list(params.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+def gemma3_metadata(**extra) -> list[tuple]:
+    meta = metadata(arch="gemma3", shape=GEMMA3, **{"gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+                                                     "gemma3.rope.freq_base": 1e6})
+    return meta + [("gemma3.attention.key_length", GEMMA3["head_dim"]), ("gemma3.attention.value_length",
+                   GEMMA3["head_dim"]), ("gemma3.attention.sliding_window", 4),
+                   ("gemma3.attention.sliding_window_pattern", 2)] + list(extra.items())
+
+
+def write_gemma3_gguf(path: Path, model, *, matrices: int = F32, embedding: int = F32) -> dict[str, np.ndarray]:
+    """Write ``model`` as llama.cpp's converter would (every norm weight plus 1, no row permutation);
+    returns the values the file stands for, by mlx-lm parameter name (norms as the model holds them)."""
+    from mlx.utils import tree_flatten
+
+    from chatapp.model.gguf_arch import GEMMA3_LAYERS
+
+    inv_layer = {v: k for k, v in GEMMA3_LAYERS.items()}
+    inv_top = {v: k for k, v in TOP_NAMES.items()}
+    tensors, names = [], []
+    for name, value in tree_flatten(model.parameters()):
+        arr = np.array(value.astype(mx.float32))
+        base, _, suffix = name.rpartition(".")
+        if base.startswith("model.layers."):
+            _, _, i, rest = base.split(".", 3)
+            gname = f"blk.{i}.{inv_layer[rest]}.{suffix}"
+        else:
+            gname = f"{inv_top[base]}.{suffix}"
+        if gname.endswith("norm.weight"):
+            arr = arr + 1
+        kind = F32 if arr.ndim == 1 else (embedding if "embed_tokens" in name else matrices)
+        tensors.append((gname, arr, kind))
+        names.append(name)
+    stored = write_tensors(path, gemma3_metadata(), tensors)
+    return {n: stored[g] - (1 if g.endswith("norm.weight") else 0) for n, (g, _, _) in zip(names, tensors)}
