@@ -137,14 +137,17 @@ def gemma3_metadata(**extra) -> list[tuple]:
                    ("gemma3.attention.sliding_window_pattern", 2)] + list(extra.items())
 
 
-def write_gemma3_gguf(path: Path, model, *, matrices: int = F32, embedding: int = F32) -> dict[str, np.ndarray]:
-    """Write ``model`` as llama.cpp's converter would (every norm weight plus 1, no row permutation);
-    returns the values the file stands for, by mlx-lm parameter name (norms as the model holds them)."""
+def write_arch_gguf(path: Path, model, arch: str, meta: list[tuple], *, matrices: int = F32,
+                    embedding: int = F32) -> dict[str, np.ndarray]:
+    """Write ``model`` as llama.cpp's converter would for ``arch`` (not llama: no row permutation;
+    gemma3: every norm weight plus 1); returns the values the file stands for, by mlx-lm parameter
+    name (norms as the model holds them)."""
     from mlx.utils import tree_flatten
 
-    from chatapp.model.gguf_arch import GEMMA3_LAYERS
+    from chatapp.model.gguf_arch import ARCHITECTURES
 
-    inv_layer = {v: k for k, v in GEMMA3_LAYERS.items()}
+    spec = ARCHITECTURES[arch]
+    inv_layer = {v: k for k, v in spec.layers.items()}
     inv_top = {v: k for k, v in TOP_NAMES.items()}
     tensors, names = [], []
     for name, value in tree_flatten(model.parameters()):
@@ -156,9 +159,39 @@ def write_gemma3_gguf(path: Path, model, *, matrices: int = F32, embedding: int 
         else:
             gname = f"{inv_top[base]}.{suffix}"
         if gname.endswith("norm.weight"):
-            arr = arr + 1
+            arr = arr + spec.norm_shift
         kind = F32 if arr.ndim == 1 else (embedding if "embed_tokens" in name else matrices)
         tensors.append((gname, arr, kind))
         names.append(name)
-    stored = write_tensors(path, gemma3_metadata(), tensors)
-    return {n: stored[g] - (1 if g.endswith("norm.weight") else 0) for n, (g, _, _) in zip(names, tensors)}
+    stored = write_tensors(path, meta, tensors)
+    return {n: stored[g] - (spec.norm_shift if g.endswith("norm.weight") else 0)
+            for n, (g, _, _) in zip(names, tensors)}
+
+
+def write_gemma3_gguf(path: Path, model, *, matrices: int = F32, embedding: int = F32) -> dict[str, np.ndarray]:
+    return write_arch_gguf(path, model, "gemma3", gemma3_metadata(), matrices=matrices, embedding=embedding)
+
+
+def random_qwen(kind: str, seed: int = 0, vocab: int = 259):
+    """mlx-lm's qwen2 (q/k/v biases) or qwen3 (q/k norms) with random float32 weights, WIDE's shape."""
+    import importlib
+
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    mod = importlib.import_module(f"mlx_lm.models.{kind}")
+    shape = {k: v for k, v in WIDE.items() if kind == "qwen3" or k != "head_dim"}
+    args = mod.ModelArgs(model_type=kind, vocab_size=vocab, rms_norm_eps=1e-6, rope_theta=1e6,
+                         max_position_embeddings=512, tie_word_embeddings=True, **shape)
+    model = mod.Model(args)
+    mx.random.seed(seed)
+    params = {k: mx.random.normal(v.shape) * (0.3 if v.ndim > 1 else 0.1) + (1.0 if k.endswith("norm.weight") else 0)
+              for k, v in tree_flatten(model.parameters())}
+    model.update(tree_unflatten(list(params.items())))
+    mx.eval(model.parameters())
+    return model
+
+
+def qwen_metadata(kind: str) -> list[tuple]:
+    return metadata(arch=kind, shape=WIDE, **{f"{kind}.attention.layer_norm_rms_epsilon": 1e-6,
+                                               f"{kind}.rope.freq_base": 1e6, "tokenizer.ggml.pre": "qwen2"}) + \
+        [(f"{kind}.attention.key_length", WIDE["head_dim"])]

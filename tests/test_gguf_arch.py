@@ -15,12 +15,15 @@ from mlx.utils import tree_unflatten
 
 from chatapp.model.gguf import load_gguf
 from chatapp.model.gguf_file import GGUFError
-from chatapp.model.gguf_writer import F32, Q4_K
+from chatapp.model.gguf_writer import F32, Q4_K, Q8_0
 from tests.gguf_models import (
     WIDE,
     metadata,
+    qwen_metadata,
     random_gemma3,
     random_llama,
+    random_qwen,
+    write_arch_gguf,
     write_gemma3_gguf,
     write_model_gguf,
 )
@@ -55,6 +58,26 @@ def test_gemma3_files_load_as_mlx_lms_gemma3_text(matrices, tmp_path):
     wrong.update(tree_unflatten([(k, mx.array(v + (1 if k.endswith("norm.weight") else 0)))
                                  for k, v in values.items()]))
     assert np.abs(logits(wrong) - want).max() > 0.01 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_qwen_files_load_as_mlx_lms_qwen_models(kind, tmp_path):
+    """Qwen 2 (q/k/v biases) and Qwen 3 (q/k norms): no rows permuted, the qwen2 pre-tokenizer."""
+    pytest.importorskip("numba")
+    ref = random_qwen(kind, seed=5)
+    values = write_arch_gguf(tmp_path / "q.gguf", ref, kind, qwen_metadata(kind), matrices=Q4_K, embedding=Q8_0)
+    g = load_gguf(tmp_path / "q.gguf")
+    assert g.config["model_type"] == kind
+    attn = g.model.model.layers[0].self_attn
+    assert ("bias" in attn.q_proj) == (kind == "qwen2") and hasattr(attn, "q_norm") == (kind == "qwen3")
+    dense = random_qwen(kind, seed=5)
+    dense.update(tree_unflatten([(k, mx.array(v)) for k, v in values.items()]))
+    want = logits(dense)
+    # (the Q8_0 embedding's float16 scales make the loaded model's activations float16)
+    np.testing.assert_allclose(logits(g.model), want, atol=0.03 * np.abs(want).max())
+    assert "un-permuted" not in g.notes[2]
+    pre = g.tokenizer._tokenizer.backend_tokenizer.pre_tokenizer  # Qwen's split: digits one at a time
+    assert [p for p, _ in pre.pre_tokenize_str("ab 2026")] == ["ab", "\u0120", "2", "0", "2", "6"]
 
 
 def _llama3_factors(factor: float, dims: int, base: float, low=1.0, high=4.0, old=8192) -> list[float]:

@@ -5,6 +5,9 @@ the tensors that has to be undone.
 * ``llama`` -> mlx-lm ``llama``: attn_q/attn_k rows were permuted for llama.cpp's interleaved
   RoPE (undone in gguf.py). ``rope_freqs`` (Llama 3.1/3.2's per-frequency divisors) is matched
   against the ``llama3`` RoPE scaling rule and becomes mlx-lm's ``rope_scaling`` config.
+* ``qwen2`` -> mlx-lm ``qwen2`` (q/k/v biases), ``qwen3`` -> mlx-lm ``qwen3`` (q/k RMSNorms): their
+  RoPE is rotate-half in llama.cpp too, so no rows were permuted; the vocabulary is gpt2 BPE with
+  the ``qwen2`` pre-tokenizer (gguf_tokenizer.py).
 * ``gemma3`` -> mlx-lm ``gemma3_text``: the converter added 1 to every RMSNorm weight (ggml's
   norm multiplies by the weight; Gemma's by 1 + weight), so 1 is subtracted again; ``ffn_norm``
   is Gemma's pre-feed-forward norm; llama.cpp fixes the sliding layers' RoPE base at 10,000 and
@@ -28,6 +31,7 @@ GEMMA3_LAYERS = {
     "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+QWEN3_LAYERS = {**LLAMA_LAYERS, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -67,6 +71,8 @@ def _gemma3(header: GGUFHeader, config: dict) -> dict:
 ARCHITECTURES = {
     "llama": Arch("llama", "llama", "Llama 2/3, SmolLM, Mistral-style", LLAMA_LAYERS, permuted=True,
                   extra_tensors=("rope_freqs.weight",)),
+    "qwen2": Arch("qwen2", "qwen2", "Qwen 2/2.5", LLAMA_LAYERS),  # q/k/v biases: attn_*.bias
+    "qwen3": Arch("qwen3", "qwen3", "Qwen 3", QWEN3_LAYERS),
     "gemma3": Arch("gemma3", "gemma3_text", "Gemma 3 text", GEMMA3_LAYERS, norm_shift=1.0, extra=_gemma3),
 }
 
