@@ -1,5 +1,5 @@
 """Open a GGUF file as an mlx-lm model: config from the metadata, tensors mapped onto mlx-lm's
-``llama`` classes, weights kept packed.
+own classes for its architecture (gguf_arch.py: llama, qwen2, qwen3, gemma3), weights kept packed.
 
 Q4_0/Q4_1/Q8_0 tensors come out of ``mx.load`` already in MLX's affine layout (packed uint32
 words plus float16 scales and biases, group 32), so each quantised matrix becomes an
@@ -13,8 +13,9 @@ scales and biases together: a reorder of whole rows, which never touches a quant
 so the model is mlx-lm's Llama with its usual rotate-half RoPE: the same layout as the Hugging
 Face checkpoint the file came from. tests/test_gguf.py proves it against an unpermuted model.
 
-Other tensor types (K-quants, IQ-quants, ...) are refused in one line: dequantising them would
-make float16 copies 3-4x the file's size, with nothing that reads them packed.
+Q5_0/Q5_1 and the K-quants Q4_K/Q5_K/Q6_K are repacked once at load into the same affine layout
+(gguf_kquants.py; Q6_K as 8-bit, not exact). Other tensor types (IQ-quants, Q2_K, Q3_K, ...) are
+refused in one line: dequantising them would make float copies several times the file's size.
 """
 
 from __future__ import annotations
