@@ -118,10 +118,10 @@ def test_truncated_and_corrupt_files_are_refused(reference, tmp_path):
 
 
 def test_unsupported_architecture_types_and_vocabularies_are_refused(tmp_path):
-    msg = _refusal(_tiny(tmp_path, "arch.gguf", metadata(arch="qwen3")))
-    assert "unsupported GGUF architecture 'qwen3'" in msg and "llama" in msg
-    msg = _refusal(_tiny(tmp_path, "k.gguf", kind=12))  # Q4_K
-    assert "Q4_K (1 tensors)" in msg and "Q4_0, Q4_1, Q8_0" in msg
+    msg = _refusal(_tiny(tmp_path, "arch.gguf", metadata(arch="mamba")))
+    assert "unsupported GGUF architecture 'mamba'" in msg and "llama" in msg and "gemma3" in msg
+    msg = _refusal(_tiny(tmp_path, "k.gguf", kind=23))  # IQ4_XS
+    assert "IQ4_XS (1 tensors)" in msg and "Q4_0, Q4_1, Q8_0" in msg and "Q4_K" in msg
     msg = _refusal(_tiny(tmp_path, "bert.gguf", metadata(**{"tokenizer.ggml.model": "bert"})))
     assert "'bert' vocabulary" in msg and "gpt2" in msg and "llama" in msg
     msg = _refusal(_tiny(tmp_path, "pre.gguf", metadata(**{"tokenizer.ggml.pre": "deepseek-coder"})))

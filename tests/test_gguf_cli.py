@@ -72,10 +72,10 @@ def test_gguf_file_flag_loads_the_chosen_file(gguf_dir, tmp_path, monkeypatch, c
 def _bad_files(gguf_dir, tmp_path):
     good = (gguf_dir / "a.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(good[: len(good) // 3])
-    write_model_gguf(tmp_path / "arch.gguf", random_llama(seed=3), meta=metadata(arch="gemma3"))
+    write_model_gguf(tmp_path / "arch.gguf", random_llama(seed=3), meta=metadata(arch="mamba"))
     write_model_gguf(tmp_path / "vocab.gguf", random_llama(seed=3), meta=metadata(**{"tokenizer.ggml.model": "t5"}))
     return {"truncated": (str(tmp_path / "cut.gguf"), "is truncated"),
-            "architecture": (str(tmp_path / "arch.gguf"), "unsupported GGUF architecture 'gemma3'"),
+            "architecture": (str(tmp_path / "arch.gguf"), "unsupported GGUF architecture 'mamba'"),
             "vocabulary": (str(tmp_path / "vocab.gguf"), "'t5' vocabulary"),
             "several": (str(gguf_dir), "holds 2 GGUF files")}
 

@@ -45,8 +45,16 @@ GGML_TYPES: dict[int, GGMLType] = {
 # What MLX's GGUF reader takes: the block-32 quants map onto its affine layout (group 32, packed
 # uint32 words plus float16 scales and biases); floats load as they are.
 QUANT_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+# What chatapp repacks itself at load (chatapp.model.gguf_kquants): the MLX affine group-32 bit
+# width each becomes (Q6_K's 16-value sub-blocks become 8-bit groups of 32).
+REPACKED_BITS = {"Q5_0": 5, "Q5_1": 5, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-READABLE_TYPES = frozenset(QUANT_BITS) | frozenset(FLOAT_TYPES)
+READABLE_TYPES = frozenset(QUANT_BITS) | frozenset(REPACKED_BITS) | frozenset(FLOAT_TYPES)
+
+
+def mlx_bits(type_name: str) -> int | None:
+    """The bit width of the MLX affine layer a block-quantised type becomes (None for floats)."""
+    return QUANT_BITS.get(type_name) or REPACKED_BITS.get(type_name)
 
 # metadata value types (gguf spec)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -186,9 +194,9 @@ def _check_tensors(header: GGUFHeader, where: str) -> None:
         kind = GGML_TYPES.get(t.type_id)
         if kind is None:
             raise GGUFError(f"{where} is corrupt or too new (tensor {t.name!r} has unknown type {t.type_id})")
-        if t.n_elements % kind.block:
-            raise GGUFError(f"{where} is corrupt (tensor {t.name!r} of {t.n_elements} elements is not whole "
-                            f"{kind.name} blocks)")
+        if t.n_elements % kind.block or (t.shape and t.shape[0] % kind.block):
+            raise GGUFError(f"{where} is corrupt (tensor {t.name!r} of shape {list(t.shape)} is not whole "
+                            f"{kind.name} blocks of {kind.block} values a row)")
         end = header.data_offset + t.offset + t.nbytes()
         if end > header.file_size:
             raise GGUFError(f"{where} is truncated: tensor {t.name!r} ends at byte {end} but the file has "

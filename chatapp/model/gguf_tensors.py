@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .gguf_file import QUANT_BITS, GGUFError, GGUFHeader, TensorInfo
+from .gguf_file import QUANT_BITS, REPACKED_BITS, GGUFError, GGUFHeader, TensorInfo
 
 CHUNK_BYTES = 1 << 24  # file bytes mapped and converted at a time (a tensor's rows, whole rows)
 _FLOATS = {"F32": (mx.float32, np.uint32), "F16": (mx.float16, np.uint16), "BF16": (mx.bfloat16, np.uint16)}
@@ -71,6 +71,15 @@ def _target(header: GGUFHeader, t: TensorInfo, reordered: bool) -> _Target:
         specs = {t.name: ((*lead, shape[-1] * bits // 32), mx.uint32, np.uint8),  # the words' bytes
                  f"{stem}.scales": ((*lead, shape[-1] // 32), mx.float16, np.uint16),
                  f"{stem}.biases": ((*lead, shape[-1] // 32), mx.float16, np.uint16)}
+    elif kind in REPACKED_BITS:  # repacked by numpy (gguf_kquants): scales of the layout's dtype
+        from .gguf_kquants import LAYOUTS
+
+        lay = LAYOUTS[kind]
+        lead, stem = shape[:-1], t.name.removesuffix(".weight")
+        sdt = mx.float16 if lay.scale_dtype is np.float16 else mx.float32
+        specs = {t.name: ((*lead, shape[-1] * lay.bits // 32), mx.uint32, np.uint8),
+                 f"{stem}.scales": ((*lead, shape[-1] // 32), sdt, lay.scale_dtype),
+                 f"{stem}.biases": ((*lead, shape[-1] // 32), sdt, lay.scale_dtype)}
     elif kind in _FLOATS:
         dtype, view = _FLOATS[kind]
         specs = {t.name: (shape, dtype, view)}
@@ -110,6 +119,11 @@ def _convert(kind: str, src: np.ndarray, dst: np.ndarray, views: list[np.ndarray
         q8_blocks(src, dst, *views)
     elif kind in ("Q4_0", "Q4_1"):
         q4_blocks(src, Q4_0_BYTES if kind == "Q4_0" else Q4_1_BYTES, dst, *views)
+    elif kind in REPACKED_BITS:
+        from .gguf_kquants import affine_blocks
+
+        for view, part in zip(views, affine_blocks(kind, src, dst.shape[0])):
+            view[dst] = part.view(view.dtype)
     else:
         (av,) = views
         av[dst] = src.view(av.dtype).reshape(dst.shape[0], -1)

@@ -28,6 +28,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 _GPT2 = None
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen 2/2.5/3: Llama 3's split with digits one at a time
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+          r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
     # name: (split regex, digits one by one, ignore_merges)
     "default": (_GPT2, False, False),
@@ -36,6 +39,7 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
     "smollm": (_GPT2, True, False),
     "llama-bpe": (_LLAMA3, False, True),
     "llama3": (_LLAMA3, False, True),
+    "qwen2": (_QWEN2, False, False),
 }
 VOCAB_TYPES = ("gpt2", "llama")
 

@@ -1,4 +1,5 @@
-"""A small GGUF (v3) writer: metadata, F32/F16 tensors and the Q4_0/Q4_1/Q8_0 block quants.
+"""A small GGUF (v3) writer: metadata, F32/F16 tensors and the Q4_0/Q4_1/Q8_0 block quants (and
+Q5_0/Q5_1/Q4_K/Q5_K/Q6_K from gguf_kquant_writer).
 
 Used by the benches (a random Llama for llama.cpp to run) and by the tests (small GGUF files
 whose every number is known). numpy only; no MLX. The quantisers follow ggml's reference ones
@@ -15,6 +16,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
+
+from .gguf_kquant_writer import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K  # noqa: F401 - the type ids, with the others
+from .gguf_kquant_writer import QUANTIZERS as K_QUANTIZERS
 
 GGUF_MAGIC = b"GGUF"
 ALIGN = 32
@@ -124,7 +128,7 @@ def quantize_q4_1(x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return raw.tobytes(), (q * d32[:, None] + m32[:, None]).reshape(np.shape(x))
 
 
-QUANTIZERS = {Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q8_0: quantize_q8_0}
+QUANTIZERS = {Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q8_0: quantize_q8_0, **K_QUANTIZERS}
 
 
 def tensor_bytes(x: np.ndarray, kind: int) -> tuple[bytes, np.ndarray]:
