@@ -174,7 +174,7 @@ def describe_format(config) -> str:
     from .prompt.choice import FormatRequest, RepoFacts, choose_format
 
     request = FormatRequest.from_config(config)
-    spec = config.model.id
+    spec = _default_model_file(config.model.id)
     gguf = _describe_gguf(spec)
     if gguf is not None:
         lines, facts = gguf
@@ -185,6 +185,14 @@ def describe_format(config) -> str:
                 "and files tell)")
     facts = RepoFacts.from_folder(found[1], found[0]) if found else RepoFacts(spec, {}, False, False)
     return choose_format(request, facts).line()
+
+
+def _default_model_file(spec: str) -> str:
+    """The default model's cached file for ``spec`` when it names that model and it is cached, else ``spec``."""
+    from .model.default_model import cached_default_model, is_default_model
+
+    found = cached_default_model() if is_default_model(spec) else None
+    return str(found) if found is not None else spec
 
 
 def _describe_gguf(spec: str):

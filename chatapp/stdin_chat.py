@@ -37,6 +37,31 @@ def _first_notice_printer():
     return say
 
 
+def _download_printer(stream=None):
+    """progress for load_engine: a download's progress on stderr, one line rewritten in place on a
+    terminal, a line per quarter in a log."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    state = {"quarter": -1, "name": None}
+
+    def show(p) -> None:
+        if p.bytes_total <= 0:
+            return
+        text = (f"chatapp: downloading {p.filename}: {p.percent:3.0f}% "
+                f"({p.bytes_done / 1e6:.0f} of {p.bytes_total / 1e6:.0f} MB)")
+        done = p.bytes_done >= p.bytes_total
+        if tty:
+            stream.write("\r" + text + ("\n" if done else ""))
+            stream.flush()
+            return
+        quarter = int(p.percent // 25)
+        if quarter != state["quarter"] or p.filename != state["name"]:
+            state.update(quarter=quarter, name=p.filename)
+            print(text, file=stream, flush=True)
+
+    return show
+
+
 def run_no_tui(args, config, blas) -> int:
     """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
 
@@ -57,7 +82,7 @@ def run_no_tui(args, config, blas) -> int:
         print(f"chatapp: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
     from .engine.setup import load_engine, session_from_config
 
-    loaded = load_engine(config, on_slow_warm_up=_first_notice_printer())
+    loaded = load_engine(config, progress=_download_printer(), on_slow_warm_up=_first_notice_printer())
     _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
     session = session_from_config(config, loaded)
     if args.verbose and session.format_choice is not None:
