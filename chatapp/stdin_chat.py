@@ -62,6 +62,17 @@ def _download_printer(stream=None):
     return show
 
 
+def _load_details(loaded) -> set[str]:
+    """The load notes that describe rather than warn (the GGUF file and its tensor types, the CPU
+    plan and its routes, the kernels' compile time): said with --verbose only, so a start is quiet.
+    The plan's warnings and the memory notes are always said."""
+    from .engine.setup import load_notices
+
+    plan = getattr(loaded, "cpu_plan", None)
+    keep = set(getattr(plan, "warnings", None) or []) | set(getattr(loaded, "memory_notes", None) or [])
+    return set(load_notices(loaded)) - keep
+
+
 def run_no_tui(args, config, blas) -> int:
     """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
 
@@ -87,8 +98,10 @@ def run_no_tui(args, config, blas) -> int:
     session = session_from_config(config, loaded)
     if args.verbose and session.format_choice is not None:
         print(f"chatapp: {session.format_choice.line()}", file=sys.stderr)
+    detail = set() if args.verbose else _load_details(loaded)
     for note in session.notices:
-        print(f"chatapp: note: {note}", file=sys.stderr)
+        if note not in detail:
+            print(f"chatapp: note: {note}", file=sys.stderr)
     out = sys.stdout
     safe = printable if out.isatty() else (lambda s: s)
     err_safe = printable

@@ -284,3 +284,38 @@ def test_the_app_loads_the_default_model_from_the_cache(tmp_path, monkeypatch):
     loaded = load_model("SmolLM2-135M-Instruct")
     assert loaded.model_id == "SmolLM2-135M-Instruct" and loaded.format == "gguf"
     assert loaded.notes[0] == f"default model SmolLM2-135M-Instruct ({cache / dm.GGUF_NAME})"
+
+
+# --------------------------------------------------------------------------------------------
+# a quiet start and the help
+
+
+def test_help_lists_the_subcommands(capsys):
+    from chatapp import cli
+    from chatapp.bench import BENCHES
+    from chatapp.sessions_cli import build_sessions_parser as sessions_parser
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("  sessions    ") for line in lines)
+    assert any(line.startswith("  bench       ") for line in lines)
+    assert set(cli.BENCH_NAMES) == set(BENCHES)
+    sub = next(a for a in sessions_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    assert set(cli.SESSION_COMMANDS) == set(sub.choices)
+
+
+def test_a_start_asks_for_no_system_package(stories4_path, tmp_path, capsys):
+    """--no-tui on a model the kernels cover: no line names a BLAS or a package to install; the
+    load details (CPU plan, routes) are said with --verbose only."""
+    from chatapp.cli import main
+
+    argv = ["--model", str(stories4_path), "--no-tui", "-p", "Once", "--max-tokens", "2", "--temp", "0",
+            "--data-dir", str(tmp_path / "data"), "--no-save"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    for word in ("apt-get", "dnf", "pacman", "BLAS", "CPU fast path", "CPU routes"):
+        assert word not in err, err
+    assert main([*argv, "--verbose"]) == 0
+    assert "CPU fast path" in capsys.readouterr().err
