@@ -319,3 +319,20 @@ def test_a_start_asks_for_no_system_package(stories4_path, tmp_path, capsys):
         assert word not in err, err
     assert main([*argv, "--verbose"]) == 0
     assert "CPU fast path" in capsys.readouterr().err
+
+
+def test_no_tui_shows_a_download_a_line_per_quarter():
+    import io
+
+    from chatapp.model.hub import DownloadProgress
+    from chatapp.stdin_chat import _download_printer
+
+    out = io.StringIO()
+    show = _download_printer(out)
+    total = 93_000_000
+    for done in range(0, total + 1, total // 100):
+        show(DownloadProgress("x.whl", done, total, 100.0 * done / total, 0, 1))
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "chatapp: downloading x.whl:   0% (0 of 93 MB)"
+    assert lines[-1] == "chatapp: downloading x.whl: 100% (93 of 93 MB)"
+    assert len(lines) == 5
