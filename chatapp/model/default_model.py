@@ -189,6 +189,7 @@ def resolve_default_model(
             return _download(source, target, progress, say)
         except SourceUnavailable as e:
             reasons.append(f"{source.label}: {e}")
+            say(f"{source.label}: {e}")
         except Corrupt as e:
             corrupt = str(e)
             say(corrupt)  # then the next source; the file was removed, so a later run starts clean
