@@ -52,14 +52,28 @@ FLAG_KEYS = {
 }
 
 
+# Written out rather than read from chatapp.bench / chatapp.sessions_cli: the parser is built at
+# every start, and importing those costs time (tests/test_default_model.py checks the lists match).
+SESSION_COMMANDS = ("list", "search", "export", "rename", "delete", "prefixes")
+BENCH_NAMES = ("cache", "turns", "decode", "quality", "cpu", "resume", "prefix", "start", "distributed",
+               "numerics", "recall")
+COMMANDS_EPILOG = f"""commands:
+  sessions    saved conversations and the shared-prefix KV store: chatapp sessions {{{','.join(SESSION_COMMANDS)}}}
+  bench       benchmarks (tables, JSON, plots): chatapp bench {{{','.join(BENCH_NAMES)}}}
+
+`chatapp sessions --help` and `chatapp bench --help` say more."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chatapp",
+        usage="chatapp [options]\n       chatapp sessions COMMAND [options]\n       chatapp bench NAME [options]",
         description="Chat with a local LLM on MLX; stays fast when the conversation gets long.",
-        epilog="Saved conversations: chatapp sessions {list,search,export,rename,delete,prefixes} --help. "
-        "Benchmarks: chatapp bench {cache,turns,decode,quality,cpu,resume,prefix} --help",
+        epilog=COMMANDS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", "-m", help="Hugging Face repo id, local folder or .gguf file (default from config)")
+    p.add_argument("--model", "-m", help="Hugging Face repo id, local folder or .gguf file (default from config: "
+                   "SmolLM2-135M-Instruct, 98 MB, downloaded on first use)")
     p.add_argument("--gguf-file", metavar="NAME",
                    help="the GGUF file to use from a repo or folder of several (same as --model REPO:NAME)")
     p.add_argument("--config", metavar="FILE", help="a config.toml that overrides the user file")
@@ -176,7 +190,7 @@ def describe_format(config) -> str:
     from .prompt.choice import FormatRequest, RepoFacts, choose_format
 
     request = FormatRequest.from_config(config)
-    spec = config.model.id
+    spec = _default_model_file(config.model.id)
     gguf = _describe_gguf(spec)
     if gguf is not None:
         lines, facts = gguf
@@ -187,6 +201,14 @@ def describe_format(config) -> str:
                 "and files tell)")
     facts = RepoFacts.from_folder(found[1], found[0]) if found else RepoFacts(spec, {}, False, False)
     return choose_format(request, facts).line()
+
+
+def _default_model_file(spec: str) -> str:
+    """The default model's cached file for ``spec`` when it names that model and it is cached, else ``spec``."""
+    from .model.default_model import cached_default_model, is_default_model
+
+    found = cached_default_model() if is_default_model(spec) else None
+    return str(found) if found is not None else spec
 
 
 def _describe_gguf(spec: str):

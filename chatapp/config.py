@@ -308,7 +308,8 @@ def _setting(default: Any, rule: _Rule) -> Any:
 class ModelConfig:
     """``[model]``: which model to load and how."""
 
-    id: str = _setting("mlx-community/Llama-2-7b-chat-4-bit", _Str(nonempty=True))
+    # the default model (DEFAULT_MODEL in chatapp/model/default_model.py): SmolLM2, fetched on first use
+    id: str = _setting("SmolLM2-135M-Instruct", _Str(nonempty=True))
     dtype: str = _setting("auto", _Choice("auto", "float32", "float16", "bfloat16"))
     trust_remote_code: bool = _setting(False, _Bool())
 
@@ -371,7 +372,8 @@ class CpuConfig:
     fused_decode: bool = _setting(True, _Bool())
     numerics: str = _setting("auto", _Choice(*NUMERICS))
     kv_dtype: str = _setting("auto", _Choice(*KV_DTYPES))
-    precompile: bool = _setting(True, _Bool())
+    # off: a first start with the prefill kernel compiled in a child answered wrongly (issue 37)
+    precompile: bool = _setting(False, _Bool())
 
 
 @dataclass

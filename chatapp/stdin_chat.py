@@ -37,6 +37,42 @@ def _first_notice_printer():
     return say
 
 
+def _download_printer(stream=None):
+    """progress for load_engine: a download's progress on stderr, one line rewritten in place on a
+    terminal, a line per quarter in a log."""
+    stream = stream or sys.stderr
+    tty = stream.isatty()
+    state = {"quarter": -1, "name": None}
+
+    def show(p) -> None:
+        if p.bytes_total <= 0:
+            return
+        text = (f"chatapp: downloading {p.filename}: {p.percent:3.0f}% "
+                f"({p.bytes_done / 1e6:.0f} of {p.bytes_total / 1e6:.0f} MB)")
+        done = p.bytes_done >= p.bytes_total
+        if tty:
+            stream.write("\r" + text + ("\n" if done else ""))
+            stream.flush()
+            return
+        quarter = int(p.percent // 25)
+        if quarter != state["quarter"] or p.filename != state["name"]:
+            state.update(quarter=quarter, name=p.filename)
+            print(text, file=stream, flush=True)
+
+    return show
+
+
+def _load_details(loaded) -> set[str]:
+    """The load notes that describe rather than warn (the GGUF file and its tensor types, the CPU
+    plan and its routes, the kernels' compile time): said with --verbose only, so a start is quiet.
+    The plan's warnings and the memory notes are always said."""
+    from .engine.setup import load_notices
+
+    plan = getattr(loaded, "cpu_plan", None)
+    keep = set(getattr(plan, "warnings", None) or []) | set(getattr(loaded, "memory_notes", None) or [])
+    return set(load_notices(loaded)) - keep
+
+
 def run_no_tui(args, config, blas) -> int:
     """One turn per stdin line (or the -p prompt), every message saved (see docs/persistence.md).
 
@@ -57,13 +93,15 @@ def run_no_tui(args, config, blas) -> int:
         print(f"chatapp: {blas.describe() if hasattr(blas, 'describe') else blas}", file=sys.stderr)
     from .engine.setup import load_engine, session_from_config
 
-    loaded = load_engine(config, on_slow_warm_up=_first_notice_printer())
+    loaded = load_engine(config, progress=_download_printer(), on_slow_warm_up=_first_notice_printer())
     _quiet_transformers()  # its "sequence longer than the model's maximum" warning: chatapp says it better
     session = session_from_config(config, loaded)
     if args.verbose and session.format_choice is not None:
         print(f"chatapp: {session.format_choice.line()}", file=sys.stderr)
+    detail = set() if args.verbose else _load_details(loaded)
     for note in session.notices:
-        print(f"chatapp: note: {note}", file=sys.stderr)
+        if note not in detail:
+            print(f"chatapp: note: {note}", file=sys.stderr)
     out = sys.stdout
     safe = printable if out.isatty() else (lambda s: s)
     err_safe = printable

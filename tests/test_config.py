@@ -57,7 +57,7 @@ def error_of(**kwargs) -> ConfigError:
 def test_defaults_load():
     cfg = load_config()
     assert cfg.to_dict() == Config().to_dict()
-    assert cfg.model.id == "mlx-community/Llama-2-7b-chat-4-bit"
+    assert cfg.model.id == "SmolLM2-135M-Instruct"
     assert cfg.model.dtype == "auto"
     assert cfg.cache.mode == "auto"
     assert cfg.cache.window == 1024

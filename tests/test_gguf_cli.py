@@ -61,7 +61,7 @@ def test_gguf_file_flag_loads_the_chosen_file(gguf_dir, tmp_path, monkeypatch, c
     _hub(tmp_path, monkeypatch, {"x.gguf": (gguf_dir / "a.gguf").read_bytes(), "y.gguf": b"junk"})
     data = tmp_path / "data"
     rc = main(["--model", "org/tiny-gguf", "--gguf-file", "x.gguf", "--no-tui", "-p", "hi", "--max-tokens", "2",
-               "--temp", "0", "--data-dir", str(data)])
+               "--temp", "0", "--data-dir", str(data), "--verbose"])
     assert rc == 0
     assert "GGUF tensors: F32 x" in capsys.readouterr().err
     rc = main(["--model", "org/tiny-gguf", "--show-config"])

