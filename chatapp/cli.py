@@ -56,7 +56,7 @@ FLAG_KEYS = {
 # every start, and importing those costs time (tests/test_default_model.py checks the lists match).
 SESSION_COMMANDS = ("list", "search", "export", "rename", "delete", "prefixes")
 BENCH_NAMES = ("cache", "turns", "decode", "quality", "cpu", "resume", "prefix", "start", "distributed",
-               "numerics", "recall")
+               "numerics", "recall", "long")
 COMMANDS_EPILOG = f"""commands:
   sessions    saved conversations and the shared-prefix KV store: chatapp sessions {{{','.join(SESSION_COMMANDS)}}}
   bench       benchmarks (tables, JSON, plots): chatapp bench {{{','.join(BENCH_NAMES)}}}
