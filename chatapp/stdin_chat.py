@@ -152,6 +152,8 @@ def run_no_tui(args, config, blas) -> int:
                     if stats.prefix_tokens:
                         print(f"chatapp: {stats.prefix_line()}", file=sys.stderr)
                     print(f"chatapp: {stats.short()}", file=sys.stderr)
+                    if stats.route and stats.route != "fused":
+                        print(f"chatapp: decode route: {stats.route}, not the fused native step", file=sys.stderr)
 
     def turn(text: str) -> str:
         """Returns "ok", "cancelled" or "refused"."""

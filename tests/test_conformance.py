@@ -147,8 +147,30 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines + ["details:"] + details)
 
 
+@pytest.fixture
+def cpu_attention_kernels():
+    """The attention kernels the CPU backend installs process-wide (apply_fast_path), where numba
+    is: every architecture's attention meets them in the app, so it meets them here (values
+    narrower than keys, multi-head latent attention, once crashed the decode kernel)."""
+    try:
+        import numba  # noqa: F401
+
+        from chatapp.backend.cpu_attention import install_prefill_attention
+        from chatapp.backend.decode_attention import install_decode_attention
+    except ImportError:
+        yield
+        return
+    from cache import set_decode_kernels, set_prefill_kernel
+
+    install_prefill_attention("cpu")
+    install_decode_attention(True)
+    yield
+    set_decode_kernels(None, None)
+    set_prefill_kernel(None)
+
+
 @pytest.mark.slow
-def test_every_mlx_lm_architecture_agrees_with_mlx_lm_or_is_refused():
+def test_every_mlx_lm_architecture_agrees_with_mlx_lm_or_is_refused(cpu_attention_kernels):
     t0 = time.perf_counter()
     rows = [r for name in registry() for r in conform(name)]
     report = table(rows)

@@ -153,7 +153,8 @@ def test_session_reply_equals_mlx_lm_with_kernels_on():
 
 
 def test_window_quant_decode_reads_the_quantised_history():
-    """window-quant past its budget: decode attention goes through the mixed kernel (packed K/V
+    """window-quant past its budget on the per-op route (no fused step; the fused one has its own
+    tests, test_fused_policies.py): decode attention goes through the mixed kernel (packed K/V
     read in place) and the reply equals the MLX route's."""
     tok = byte_tokenizer()
     shape = LlamaShape(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -166,7 +167,7 @@ def test_window_quant_decode_reads_the_quantised_history():
                   raw=True)
     want = _reply_tokens(ref, text)
     fast_model = model(shape=shape, seed=2)
-    apply_fast_path(fast_model, backend="cpu", kernel_min_elements=0)
+    apply_fast_path(fast_model, backend="cpu", kernel_min_elements=0, fused_decode=False)
     mixed = []
     real = decode_attention.decode_mixed
     set_decode_kernels(decode_attention.decode_full, lambda *a: mixed.append(1) or real(*a))

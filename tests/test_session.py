@@ -245,6 +245,9 @@ def test_compare_modes_replays_last_turn(stories):
     assert len(ok) == 3 and all(r.ttft > 0 and r.generated == 8 for r in ok)
     assert ok[0].reply == ok[1].reply  # same cache contents, same greedy reply
     assert "head_dim" in rows[3].error
+    # beside the speed, what each mode holds and on which route it decoded
+    assert all(0 < r.kv_held <= r.kv_allocated for r in ok)
+    assert all(r.route == "fused" or r.route.startswith("mlx (") for r in ok)
 
 
 def test_random_model_all_modes_multi_turn():

@@ -470,6 +470,7 @@ async def test_compare_modes(stories4_path):
         assert screen.query_one("#compare-table").row_count == len(MODES)
         text = await screen_text(pilot)
         assert "decode tok/s" in text and "█" in text and "head_dim" in text
+        assert "KV held" in text and "route" in text
         await pilot.press("escape")
         assert not isinstance(app.screen, CompareScreen)
 

@@ -57,6 +57,8 @@ def decode_full(queries: mx.array, keys: mx.array, values: mx.array, scale: floa
         return None
     if keys.dtype not in _KV_DTYPES or values.dtype != keys.dtype:
         return None  # the kernel reads float32 / float16 buffers in place; anything else stays on MLX
+    if values.shape[3] != keys.shape[3]:
+        return None  # values narrower than keys (multi-head latent attention): the kernel reads one D
     mx.eval(queries, keys, values)
     H, D = queries.shape[1], queries.shape[3]
     q = _float32(queries).reshape(H, D)
@@ -87,6 +89,8 @@ def decode_mixed(queries: mx.array, parts: Sequence[tuple[str, Any, Any]], scale
     full = ([head[1], head[2]] if head else []) + [tk, tv]
     if full[0].dtype not in _KV_DTYPES or any(a.dtype != full[0].dtype for a in full):
         return None
+    if any(a.shape[3] != queries.shape[3] for a in full):
+        return None  # keys and values of another width than the queries (MLA): MLX's route
     B, H, _, D = queries.shape
     qq_mx = queries if quant_queries is None else quant_queries
     mx.eval(queries, qq_mx, *full, *qk, *qv)

@@ -161,20 +161,11 @@ def _config(args, mode: str):
     return cfg
 
 
-def route_of(session) -> str:
-    """``fused`` when the fused native step serves this session's caches, else ``mlx (why)``."""
-    from chatapp.backend.fused_decode import cache_refusal, fused_decoder
-
-    if fused_decoder(session.model) is None:
-        return "mlx (no fused step installed)"
-    why = cache_refusal(session.caches, len(session.caches))
-    return "fused" if why is None else f"mlx ({why})"
-
-
 def chatapp_turn(session, text: str, turn: int, label: str) -> tuple[Row, list[int]]:
     """Send one user message as the app does (admit, then send); the row and the tokens prefilled."""
     from cache.usage import total_usage
     from chatapp.engine.events import TurnDone
+    from chatapp.engine.route import decode_route
 
     row = Row(turn, label)
     adm = session.admit(text)
@@ -192,7 +183,7 @@ def chatapp_turn(session, text: str, turn: int, label: str) -> tuple[Row, list[i
     row.held, row.new = usage.tokens, st.prefill_tokens
     row.ttft_ms, row.prefill_tok_s, row.decode_tok_s = st.ttft * 1000, st.prefill_tps, st.decode_tps
     row.kv_held, row.kv_allocated = usage.bytes_held, usage.bytes_allocated
-    row.route = route_of(session)
+    row.route = decode_route(session.model, session.caches)
     row.note = "; ".join(adm.notes + st.notices)
     return row, new_ids
 

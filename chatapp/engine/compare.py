@@ -8,9 +8,11 @@ import mlx.core as mx
 
 from cache import CacheConfigError, CacheSettings, make_caches
 from cache.layers import position
+from cache.usage import total_usage
 
 from .events import CompareRow, TurnDone
 from .generate import GenerationSettings
+from .route import decode_route
 from .session import Session
 
 
@@ -55,6 +57,8 @@ def compare_modes(session: Session, modes: list[str], max_tokens: int = 64) -> I
             if isinstance(ev, TurnDone):
                 done = ev
         s = done.stats
+        usage = total_usage(twin.caches)
         yield CompareRow(mode, context, s.prompt_tokens, s.ttft, s.prefill_tps, s.decode_tps,
-                         s.generated_tokens, done.text)
+                         s.generated_tokens, done.text, kv_held=usage.bytes_held,
+                         kv_allocated=usage.bytes_allocated, route=decode_route(twin.model, twin.caches))
         del twin

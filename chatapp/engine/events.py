@@ -56,6 +56,9 @@ class CompareRow:
     generated: int
     reply: str
     error: str = ""
+    kv_held: int = 0  # KV bytes the mode holds after the turn (what the policy buys)
+    kv_allocated: int = 0  # and its buffers' bytes
+    route: str = ""  # "fused", or "mlx (why)" (engine/route.py)
 
 
 @dataclass

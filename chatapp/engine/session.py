@@ -37,6 +37,7 @@ from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, Token
 from .generate import GenerationSettings, StopMatcher, decode_tokens
 from .memory import read_gauges
 from .prefix import PrefixSource, warm_start
+from .route import decode_route
 from .stats import CacheView, StepStat, TurnStats
 
 FULL_PREFILL_STEP = 512  # prefill chunk for caches that never evict
@@ -546,6 +547,7 @@ class Session:
             self.conversation.add("assistant", text, interrupted=interrupted)
             if raw is not None and self.format.renders_as_generated:
                 self._render_as_generated(raw)
+        stats.route = decode_route(self.model, self.caches)  # what this turn ran on, before a switch
         switch = self._apply_policy(len(self.cached))
         if switch:
             stats.notices.append(switch.line())

@@ -84,6 +84,7 @@ class TurnStats:
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     finish: str = ""  # "eos", "stop", "length", "cancelled"
+    route: str = ""  # the decode's route: "fused" (the native step) or "mlx (why)", engine/route.py
     peak_memory: int = 0
     prefix_tokens: int = 0  # prompt tokens loaded from the prefix store when the turn started
     prefix_seconds: float = 0.0  # reading them and converting them into the cache mode

@@ -22,6 +22,7 @@ from .format import (
     MODE_FIELDS,
     MODE_HELP,
     MODES,
+    fmt_bytes,
     fmt_rate,
     fmt_seconds_ms,
     fmt_when,
@@ -263,7 +264,8 @@ class CompareScreen(ModalScreen):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        for label in ("mode", "context", "TTFT", "prefill tok/s", "decode tok/s", "tok"):
+        for label in ("mode", "context", "TTFT", "prefill tok/s", "decode tok/s", "tok", "KV held", "KV alloc",
+                      "route"):
             table.add_column(label, key=label)
         table.can_focus = False
         self.query_one("#compare-box").focus()
@@ -286,12 +288,14 @@ class CompareScreen(ModalScreen):
         for r in self.rows:
             if r.error:
                 dash = Text("—", justify="right", style="red")
-                table.add_row(Text(r.mode, style="red"), dash, dash, dash, dash, dash)
+                table.add_row(Text(r.mode, style="red"), *[dash] * 8)
                 continue
             table.add_row(
                 Text(r.mode), Text(f"{r.context:,}", justify="right"),
                 Text(fmt_seconds_ms(r.ttft), justify="right"), Text(fmt_rate(r.prefill_tps), justify="right"),
                 Text(fmt_rate(r.decode_tps), justify="right"), Text(str(r.generated), justify="right"),
+                Text(fmt_bytes(r.kv_held), justify="right"), Text(fmt_bytes(r.kv_allocated), justify="right"),
+                Text(r.route, style="dim" if r.route == "fused" else "yellow"),
             )
         status = self.query_one("#compare-status", Static)
         if self.done:
