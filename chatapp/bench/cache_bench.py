@@ -60,7 +60,7 @@ import mlx.nn as nn
 
 import cache
 from cache.rope import Repositioner
-from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_list
+from chatapp.bench.report import BenchReport, emit, int_list, line_plot, mode_list, print_targets
 
 DTYPE = mx.bfloat16
 
@@ -426,9 +426,5 @@ def run(args) -> int:
     if att is not None:
         print()
         emit(att, None)
-    print()
-    print("## targets")
-    for t in targets:
-        verdict = "INFO" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        print(f"{verdict}  {t['target']}: {t['detail']}")
+    print_targets(targets)
     return 0

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from chatapp.bench.common import SMOLLM2_GGUF, loadavg, start_bench
-from chatapp.bench.report import BenchReport, add_cache_arguments, cache_knobs, emit, line_plot
+from chatapp.bench.report import BenchReport, add_cache_arguments, cache_knobs, emit, line_plot, print_targets
 
 TEXT = Path(__file__).resolve().parent / "texts" / "kjv-ruth-esther.txt"
 DEFAULT_MODES = ("prealloc", "window", "window-quant", "scored-quant")
@@ -427,9 +427,5 @@ def run(args) -> int:
     emit(rep, args.json, lambda path: plot(path, args, rows), args.plot)
     if args.plot:
         print(f"# wrote {ttft_plot_path(args.plot)}")
-    print()
-    print("## targets")
-    for t in targets:
-        verdict = "INFO" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        print(f"{verdict}  {t['target']}: {t['detail']}")
+    print_targets(targets)
     return 0

@@ -115,6 +115,15 @@ def emit(report: BenchReport, json_path: str | None, plot: callable | None = Non
 
 
 # ---- argparse types shared by the benchmarks ----------------------------------------------------
+def print_targets(targets: list[dict]) -> None:
+    """The benches' closing lines: PASS / FAIL (INFO where ``passed`` is None) per target."""
+    print()
+    print("## targets")
+    for t in targets:
+        verdict = "INFO" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+        print(f"{verdict}  {t['target']}: {t['detail']}")
+
+
 def int_list(text: str, minimum: int = 1) -> list[int]:
     """Comma-separated integers of at least ``minimum``, e.g. "512,1024"."""
     try:
