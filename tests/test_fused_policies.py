@@ -193,3 +193,31 @@ def test_scored_votes_come_from_the_fused_prefills_queries(chunk):
     for a, b in zip(*(r.caches for r in runs)):
         assert b._obs.shape == a._obs.shape and _close(np.array(b._obs), np.array(a._obs), 1e-4)
         assert b._since == a._since == 2 * chunk
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("kv_dtype", ["float16", "float32"])
+def test_a_prefill_over_a_quantised_middle_reads_what_content_gives(bits, kv_dtype):
+    """The history a prefill chunk reads over a quantised middle (dequantised and moved back by
+    its rotation delta on the host, fused_decode._history_buffers) is ``content()``'s, after
+    evictions have moved the middle."""
+    from chatapp.backend.fused_decode import KV_HOST
+
+    fast = small_llama()
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype=kv_dtype)
+    run = _Run(fast, _settings("window-quant", bits))
+    run.prefill(list(range(1, 40)))
+    for t in range(40):
+        run.step(t)
+    c0 = run.caches[0]
+    assert c0.delta_q != 0 and c0.quant.length > 0
+    dec = fast._chatapp_fused
+    n = dec._history_buffers(run.caches)
+    for i, c in enumerate(run.caches):
+        want_k, want_v = (np.array(a.astype(mx.float32))[0] for a in c.content())
+        got_k, got_v = (h.view(np.float16 if KV_HOST[c.full.keys.dtype] == np.uint16 else np.float32)
+                        .reshape(want_k.shape).astype(np.float32) for h in dec._history[2 * i:2 * i + 2])
+        assert want_k.shape[1] == n
+        tol = 2e-3 if kv_dtype == "float16" else 1e-5
+        assert _close(got_k, want_k, tol) and _close(got_v, want_v, tol)
+    dec._history = None

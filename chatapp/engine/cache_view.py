@@ -18,10 +18,19 @@ from .cache_map import session_map
 from .memory import memory_total
 from .stats import CacheView
 
+# layers the attention share is measured on, spread over the depth: each reads its whole history
+# (SmolLM2's 30 layers at 4,190 tokens: 1.2 s at every turn's end; 4 of them 0.16 s)
+SPARSITY_LAYERS = 4
+
 
 def attention_sparsity(caches: Sequence[Any]) -> float | None:
-    """Mean over layers of the evicting caches' attention share on what they could evict
-    (the scored modes' votes, the window modes' last decode queries; None otherwise)."""
+    """Mean over up to SPARSITY_LAYERS layers (spread over the depth) of the evicting caches'
+    attention share on what they could evict (the scored modes' votes, the window modes' last
+    decode queries; None otherwise)."""
+    caches = list(caches)
+    if len(caches) > SPARSITY_LAYERS:
+        step = (len(caches) - 1) / (SPARSITY_LAYERS - 1)
+        caches = [caches[round(i * step)] for i in range(SPARSITY_LAYERS)]
     shares = [s for c in caches if (s := getattr(c, "attention_sparsity", lambda: None)()) is not None]
     return sum(shares) / len(shares) if shares else None
 
