@@ -155,10 +155,14 @@ class ScoredKVCache(SegmentedKVCache):
     def keep_chunk_queries(self, queries, scale: float, n_tokens: int) -> None:
         """A native prefill chunk's last roped queries (host floats [n, heads, D]): kept as
         ``attend`` keeps a chunk's."""
-        q = mx.array(np.ascontiguousarray(queries.transpose(1, 0, 2)))[None]
-        prev = self._obs
-        if prev is not None and q.shape[2] < self.observe:
-            q = mx.concatenate([prev.astype(q.dtype), q], axis=2)
+        self._keep_chunk(mx.array(np.ascontiguousarray(queries.transpose(1, 0, 2)))[None], scale, n_tokens)
+
+    def _keep_chunk(self, queries: mx.array, scale: float, n_tokens: int) -> None:
+        """The last ``observe`` of the kept queries and ``queries`` ([1, heads, L, D], a chunk's
+        last L of its ``n_tokens``) become the votes."""
+        q = queries
+        if self._obs is not None and q.shape[2] < self.observe:
+            q = mx.concatenate([self._obs.astype(q.dtype), q], axis=2)
         self._obs = q[:, :, -self.observe:, :]
         self._scale, self._since = scale, self._since + n_tokens
 
@@ -191,10 +195,7 @@ class ScoredKVCache(SegmentedKVCache):
         """The segmented cache's attention (the installed kernels serve it); the step's last
         queries are kept as the next eviction's votes."""
         out = super().attend(queries, scale, mask)
-        L = queries.shape[2]
-        q = queries if self._obs is None or L >= self.observe else mx.concatenate([self._obs, queries], axis=2)
-        self._obs = q[:, :, -self.observe:, :]
-        self._scale, self._since = scale, self._since + L
+        self._keep_chunk(queries, scale, queries.shape[2])
         # Evaluated with the step's output: left lazy, each step's kept queries would hold the
         # graph of the step before (a chain as long as the time to the next eviction).
         return mx.depends(out, self._obs)
