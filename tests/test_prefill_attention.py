@@ -50,22 +50,61 @@ def _reference(q, k_raw, v_new, k_cache, v_cache, cos, sin, traditional, heads, 
     return out
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def _middle(rng, kv_heads: int, n: int, D: int, bits: int, group: int, half: bool):
+    """A random quantised middle in MLX's affine layout (packed bytes; 4 bits: element 2j in the
+    low nibble of byte j), with room past its n rows (NaN scales: never read): its three flat
+    buffers with their head strides, and its float64 dequantisation [kv_heads, n, D]."""
+    cap = n + 3
+    packed = rng.integers(0, 256, (kv_heads, cap, D * bits // 8), dtype=np.uint8)
+    sdt = np.float16 if half else np.float32
+    scales = np.full((kv_heads, cap, D // group), np.nan, sdt)
+    biases = np.full((kv_heads, cap, D // group), np.nan, sdt)
+    scales[:, :n] = rng.uniform(0.001, 2.0 / 2**bits, (kv_heads, n, D // group))
+    biases[:, :n] = rng.uniform(-1, 1, (kv_heads, n, D // group))
+    p = packed[:, :n]
+    if bits == 4:
+        x = np.empty((kv_heads, n, D))
+        x[..., 0::2], x[..., 1::2] = p & 15, p >> 4
+    else:
+        x = p.astype(np.float64)
+    sc, bi = (a[:, :n].astype(np.float64).repeat(group, axis=2) for a in (scales, biases))
+    bufs = [heads_view(a.view(np.uint16) if half and a.dtype == np.float16 else a) for a in (packed, scales, biases)]
+    return bufs, x * sc + bi
+
+
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n_cached=st.integers(0, 3 * KBLOCK + 5), tokens=st.integers(1, 2 * QBLOCK + 3),
        shape=st.sampled_from([(4, 4, 32), (9, 3, 64), (2, 1, 128), (6, 2, 16)]), half=st.booleans(),
-       traditional=st.booleans(), seed=st.integers(0, 2**16), q_from=st.integers(0, 2 * QBLOCK + 3))
-@example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1, q_from=0)
+       traditional=st.booleans(), seed=st.integers(0, 2**16), q_from=st.integers(0, 2 * QBLOCK + 3),
+       n_quant=st.sampled_from([0, 0, 1, 7, KBLOCK + 9]), bits=st.sampled_from([4, 8]), delta=st.integers(0, 900))
+@example(n_cached=KBLOCK - 1, tokens=QBLOCK + 1, shape=(9, 3, 64), half=True, traditional=False, seed=1, q_from=0,
+         n_quant=0, bits=8, delta=0)
 @example(n_cached=59, tokens=48, shape=(9, 3, 64), half=True, traditional=False, seed=7276,
-         q_from=0)  # a 1-ulp fp16 tie
+         q_from=47, n_quant=0, bits=8, delta=0)  # the last row alone, with rows before it never computed
 @example(n_cached=5, tokens=2 * QBLOCK + 3, shape=(4, 4, 32), half=False, traditional=False, seed=3,
-         q_from=2 * QBLOCK + 2)  # a prefill chunk's last layer: the last row alone
-def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed, q_from):
+         q_from=2 * QBLOCK + 2, n_quant=0, bits=8, delta=0)  # a prefill chunk's last layer: the last row alone
+@example(n_cached=40, tokens=QBLOCK + 5, shape=(9, 3, 64), half=True, traditional=False, seed=11, q_from=0,
+         n_quant=KBLOCK + 9, bits=4, delta=517)  # a window-quant cache after evictions
+def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, traditional, seed, q_from, n_quant,
+                                               bits, delta):
     """attn's rows from q_from on equal softmax(q k^T) v (the rows before it neither read from q,
-    which holds NaN there, nor written: they keep their 7s), and every key and value is handed on whatever q_from is."""
+    which holds NaN there, nor written: they keep their 7s), and every key and value is handed on whatever q_from is.
+    With a quantised middle (n_quant rows, read as stored) the keys are [middle dequantised and
+    turned back by its rotation delta | cache rows | chunk rows], the chunk's rows go after the
+    cache rows."""
     q_from = min(q_from, tokens - 1)
     heads, kv_heads, D = shape
     rng = np.random.default_rng(seed)
     dt = np.float16 if half else np.float32
+    group = min(32, D)
+    k_mid, k_deq = _middle(rng, kv_heads, n_quant, D, bits, group, half)
+    v_mid, v_deq = _middle(rng, kv_heads, n_quant, D, bits, group, half)
+    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    cos_u, sin_u = (a[0] for a in rope_table(-delta, 1, inv_freq))
+    k_deq = np.stack([_rope(m, cos_u[None].astype(np.float64), sin_u[None].astype(np.float64), traditional)
+                      for m in k_deq]) if n_quant else k_deq
+    quant = tuple(f for f, _ in k_mid + v_mid)
+    q_stride = np.array([stride for _, stride in k_mid + v_mid], np.int64)
     capacity = n_cached + 7  # rows past n_cached are never read: fill them with NaN
     k_buf = np.full((kv_heads, capacity, D), np.nan, dt)
     v_buf = np.full((kv_heads, capacity, D), np.nan, dt)
@@ -76,8 +115,7 @@ def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, tr
     q[:q_from] = np.nan
     k_raw = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
     v_new = rng.normal(0, 1, (tokens, kv_heads * D)).astype(np.float32)
-    inv_freq = (1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32)
-    cos, sin = rope_table(n_cached, tokens, inv_freq)
+    cos, sin = rope_table(n_quant + n_cached, tokens, inv_freq)
     k_out = np.zeros((tokens, kv_heads * D), dt)
     v_out = np.zeros((tokens, kv_heads * D), dt)
     attn = np.full((tokens, heads * D), 7.0, np.float32)  # no softmax of V gives 7 here
@@ -85,11 +123,12 @@ def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, tr
         heads_view(v_buf.view(np.uint16) if half else v_buf)
     ctl = np.zeros(2 * LINE * 2, np.int64)
     scale = np.float32(D ** -0.5)
-    chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, heads, kv_heads, kf, ks, vf, vs, n_cached,
-                    scale, k_out.view(np.uint16) if half else k_out, v_out.view(np.uint16) if half else v_out, attn,
+    chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, heads, kv_heads, kf, ks, vf, vs,
+                    n_quant + n_cached, scale, k_out.view(np.uint16) if half else k_out,
+                    v_out.view(np.uint16) if half else v_out, attn, quant, q_stride, n_quant, bits, group, cos_u, sin_u,
                     q_from)
-    want = _reference(want_q, k_raw, v_new, k_buf[:, :n_cached], v_buf[:, :n_cached], cos, sin, traditional, heads,
-                      kv_heads, scale)
+    want = _reference(want_q, k_raw, v_new, np.concatenate([k_deq, k_buf[:, :n_cached]], 1),
+                      np.concatenate([v_deq, v_buf[:, :n_cached]], 1), cos, sin, traditional, heads, kv_heads, scale)
     np.testing.assert_allclose(attn[q_from:], want[q_from:], rtol=0, atol=2e-5)
     assert (attn[:q_from] == 7.0).all()
     roped = np.concatenate([_rope(k_raw[:, g * D:(g + 1) * D], cos, sin, traditional) for g in range(kv_heads)], 1)

@@ -505,12 +505,13 @@ class FusedDecoder:
         mx.eval(emb)
         x = np.array(emb, np.float32)  # the kernel updates it in place
         del emb  # (freed with MLX's cache below)
-        # a quantised middle: the chunk reads the history dequantised, in sequence order at
-        # compacted positions (as MLX's route does for a prefill chunk: O(history) per layer
-        # next to the chunk's O(T x history) attention), from scratch buffers; new rows appended
-        scratch = self._history_buffers(caches) if any(c.quant is not None and c.quant.length for c in caches) \
-            else None
-        n_cached = self._cache_buffers(caches, T) if scratch is None else scratch
+        # a quantised middle is read as stored, block by block (prefill_attention._fill_block:
+        # dequantised and turned back by its rotation delta in cache-resident scratch); the chunk's
+        # rows go after the sinks and window in the full-precision buffers, as a decode step's do
+        n_full = self._cache_buffers(caches, T)
+        n_quant, q_bits, q_group, scales_like = self._quant_buffers(caches)
+        n_cached = n_full + n_quant
+        cos_u, sin_u = self._unrotation_angles(caches)
         # the kernel's scratch below is numpy's (a few [T, hidden] float32 arrays per thread and
         # shared), which MLX's buffer cache cannot serve: what that cache holds idle now (the
         # embedding's temporaries, a previous turn's caches: 22-30 MiB on 8 layers of a 7B model)
@@ -522,7 +523,7 @@ class FusedDecoder:
         # the kernel writes the chunk's K/V rows into the cache buffers themselves where no view
         # handed out covers them (as step does): no [layers, T, kv] copy of them (32 MiB for 256
         # tokens of a 7B model's 8 layers in float16, 128 MiB for all 32) on top of the buffers
-        in_place = scratch is None and self.write_in_place and all(c.full.writable_in_place(T) for c in caches)
+        in_place = self.write_in_place and all(c.full.writable_in_place(T) for c in caches)
         if in_place:
             k_out = v_out = np.empty((L, 0, kd), host)
         else:
@@ -543,9 +544,9 @@ class FusedDecoder:
                          np.empty((T, hd), np.float32), np.empty((T, kd), np.float32),
                          np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
-                         self.prefill_mask, q_keep, self.prefill_block)
+                         self.prefill_mask, q_keep, self._q_addr, self._q_size, self._q_stride, n_quant, q_bits,
+                         q_group, cos_u, sin_u, scales_like, self.prefill_block)
         del k_out, v_out
-        self._history = None  # the scratch history, if any
         if n_keep:
             roped = rope_rows(q_keep.reshape(L, n_keep, self.n_heads, D), cos[T - n_keep:], sin[T - n_keep:],
                               self.traditional)
@@ -562,69 +563,18 @@ class FusedDecoder:
             c.absorb(k_new[i][None], v_new[i][None])
         return self._head(x[-1])
 
-    def _history_buffers(self, caches: list) -> int:
-        """Each layer's history (what ``content()`` gives: sinks, the middle dequantised and moved to
-        its compacted positions, the recent window) in host scratch buffers of the caches' K/V dtype,
-        their addresses in ``_kv_addr``/``_kv_size``/``_kv_stride`` as ``_cache_buffers`` leaves
-        them; returns the rows held. The chunk's own rows go to separate arrays (not in place).
-        Built with numpy from the buffers as stored: through MLX (content(): dequantize, the
-        rotation, two concatenations, a cast) it took 22 ms a layer for SmolLM2 at 4,190 tokens,
-        as long as the chunk's own kernel, every chunk."""
-        self.adopt(caches)
-        host = KV_HOST[caches[0].full.keys.dtype]
-        held = {c.offset for c in caches}
-        if len(held) != 1:
-            raise ValueError("fused prefill: the layers' caches hold different token counts")
-        n = held.pop()
-        keep = []
+    def _unrotation_angles(self, caches: list) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [L, D/2] that turn each layer's middle keys back by its rotation delta (to their
+        compacted positions, as ``content()`` gives them): the prefill's queries have many
+        positions, so the keys move, not the queries as in a decode step (_middle_angles)."""
+        from chatapp.kernels.decode_step import rope_angles
+
+        n, half = len(caches), self.head_dim // 2
+        cos, sin = np.ones((n, half), np.float32), np.zeros((n, half), np.float32)
         for i, c in enumerate(caches):
-            mx.eval(c.full.keys, c.full.values)
-            full = [np.asarray(a)[0, :, :c.full.length] for a in (c.full.keys, c.full.values)]
-            middle = _middle_host(c, self.inv_freq, self.traditional) if c.quant is not None and c.quant.length \
-                else None
-            s = min(c.sinks, c.full.length) if middle is not None else 0
-            for j, f in enumerate(full):
-                out = np.empty((f.shape[0], n, f.shape[2]), f.dtype)
-                out[:, :s] = f[:, :s]
-                m = 0
-                if middle is not None:
-                    m = middle[j].shape[1]
-                    out[:, s:s + m] = middle[j]
-                out[:, s + m:] = f[:, s:]
-                keep.append(out.reshape(-1).view(host))
-            kf, vf = keep[-2], keep[-1]
-            self._kv_addr[i] = kf.ctypes.data, vf.ctypes.data
-            self._kv_size[i] = kf.size
-            self._kv_stride[i] = n * self.head_dim
-        self._history = keep  # alive until the kernel has run
-        return n
-
-
-def _middle_host(c, inv_freq: np.ndarray, traditional: bool) -> tuple[np.ndarray, np.ndarray]:
-    """A cache's quantised middle as float32 host arrays [kv_heads, n, D] (keys, values): MLX's
-    affine groups (4-bit: two values a byte, low nibble first) dequantised, the keys moved back by
-    the middle's rotation delta (as ``content()`` gives them)."""
-    from chatapp.kernels.prefill_step import rope_rows
-
-    q = c.quant
-    n, g = q.length, q.group_size
-    out = []
-    for packed, scales, biases in (q.keys, q.values):
-        mx.eval(packed, scales, biases)
-        p = np.asarray(packed)[0, :, :n].view(np.uint8)
-        if q.bits == 4:
-            x = np.empty(p.shape[:2] + (2 * p.shape[2],), np.float32)
-            x[..., 0::2], x[..., 1::2] = p & 15, p >> 4
-        else:
-            x = p.astype(np.float32)
-        sc, bi = (np.asarray(a if a.dtype in (mx.float16, mx.float32) else a.astype(mx.float32))[0, :, :n]
-                  .astype(np.float32) for a in (scales, biases))
-        H, _, D = x.shape
-        out.append((x.reshape(H, n, D // g, g) * sc[..., None] + bi[..., None]).reshape(H, n, D))
-    if c.delta_q:
-        angle = (-c.delta_q * inv_freq.astype(np.float64)).astype(np.float32)[None]
-        out[0] = rope_rows(out[0], np.cos(angle), np.sin(angle), traditional)
-    return out[0], out[1]
+            if c.quant is not None and c.quant.length and c.delta_q:
+                cos[i], sin[i] = rope_angles(-c.delta_q, self.inv_freq)
+        return cos, sin
 
 
 def cache_refusal(cache, n_layers: int) -> str | None:

@@ -32,7 +32,7 @@ from numba import njit
 from .attention import fast_exp, head_rows
 from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
 from .half import store_f32
-from .llvm import as_f32
+from .llvm import as_f32, byte_to_f32, hi_nibble, lo_nibble
 from .microkernels import A_ROWS, outer4x32
 
 LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
@@ -42,16 +42,49 @@ _NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a Na
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb):  # pragma: no cover - jitted
-    """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [cache rows | chunk rows] as float32,
-    rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads 4 key rows)."""
+def _dequant_row(packed, scales, biases, p0, s0, bits, group_size, D, out, o0):  # pragma: no cover - jitted
+    """out[o0:o0 + D] = one row of MLX's affine layout (its bytes from packed[p0], its groups'
+    scales and biases from s0; 4 bits: element 2j in the low nibble of byte j), natural order."""
+    for g in range(D // group_size):
+        s = as_f32(scales[s0 + g])
+        b = as_f32(biases[s0 + g])
+        if bits == 8:
+            base = g * group_size
+            for j in range(group_size):
+                out[o0 + base + j] = byte_to_f32(packed[p0 + base + j]) * s + b
+        else:
+            base = g * (group_size // 2)
+            for j in range(group_size // 2):
+                byte = packed[p0 + base + j]
+                out[o0 + 2 * (base + j)] = lo_nibble(byte) * s + b
+                out[o0 + 2 * (base + j) + 1] = hi_nibble(byte) * s + b
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits, q_group,
+                rot, cos_u, sin_u, traditional):  # pragma: no cover - jitted
+    """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [quantised middle | cache rows | chunk
+    rows] as float32, rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads
+    4 key rows). The middle's rows (n_quant of them, MLX's affine layout in ``quant``, this head's
+    from element ``q_base[i]`` of each buffer) are dequantised here and their keys turned by
+    cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives); softmax is
+    order-free, so they need not sit between the sinks and the window as they do in sequence."""
+    P = D * q_bits // 8
+    ng = D // q_group
+    kq, ks, kbias, vq, vs, vbias = quant
     for i in range(nb):
         n = n0 + i
-        if n < n_cached:
+        if n < n_quant:
+            _dequant_row(kq, ks, kbias, q_base[0] + n * P, q_base[1] + n * ng, q_bits, q_group, D, kb, i * D)
+            if rot:
+                apply_rope(kb[i * D:(i + 1) * D], cos_u, sin_u, traditional)
+            _dequant_row(vq, vs, vbias, q_base[3] + n * P, q_base[4] + n * ng, q_bits, q_group, D, vb, i * D)
+        elif n < n_cached:
+            r = n - n_quant
             for e in range(D):
-                kb[i * D + e] = as_f32(kc[n, e])
+                kb[i * D + e] = as_f32(kc[r, e])
             for e in range(D):
-                vb[i * D + e] = as_f32(vc[n, e])
+                vb[i * D + e] = as_f32(vc[r, e])
         else:
             j = n - n_cached
             for e in range(D):
@@ -98,17 +131,24 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
 
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
-                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, q_from=0):  # pragma: no cover - jitted
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
+                    cos_u, sin_u, q_from=0):  # pragma: no cover - jitted
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
     before RoPE); k_cache / v_cache flat cache buffers (head_rows), float32 or float16 bits.
     The claim of each KV head's last token block ropes all T keys and hands them, with the
     values, to k_out / v_out (the cache's dtype) for the caller to append; k_out / v_out with no
-    rows: into the cache buffers themselves, at rows n_cached .. n_cached + T - 1 (which no claim
-    reads: the chunk's keys come from k_raw / v_new), so the caller only counts them.
+    rows: into the cache buffers themselves, after their rows (n_cached - n_quant), which no
+    claim reads (the chunk's keys come from k_raw / v_new), so the caller only counts them.
     ``q_from``: only the rows t >= q_from of attn are wanted (q's rows before it need not be
-    computed; the token blocks wholly before it are skipped), every key and value still handed on."""
+    computed; the token blocks wholly before it are skipped), every key and value still handed on.
+
+    A quantised middle (window-quant, quantized, scored-quant; n_quant of the n_cached rows, 0:
+    none): the cache buffers hold the other n_cached - n_quant rows (sinks and recent window, where
+    the chunk's rows go next), ``quant`` the middle as stored (decode_step.token_step's six
+    buffers, heads ``q_stride`` apart), read in place block by block (_fill_block), its keys
+    turned back by cos_u/sin_u [D/2] (the angles of minus its rotation delta)."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -126,6 +166,11 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     lane_t = np.empty(M, np.int64)
     run_max = np.empty(M, np.float32)
     run_sum = np.empty(M, np.float32)
+    n_full = n_cached - n_quant  # the cache buffers' rows
+    q_base = np.empty(6, np.int64)
+    rot = False
+    for e in range(sin_u.shape[0]):
+        rot = rot or sin_u[e] != 0.0
     while True:
         u = phase_claim(ctl, phase, n_units)
         if u < 0:
@@ -138,10 +183,10 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 kr[j, e] = k_raw[j, kh * D + e]
             apply_rope(kr[j], cos[j], sin[j], traditional)
         if blk == n_blocks - 1 and k_out.shape[0] == 0:
-            kw = head_rows(k_cache, kh, k_stride, n_cached + T, D)
-            vw = head_rows(v_cache, kh, v_stride, n_cached + T, D)
+            kw = head_rows(k_cache, kh, k_stride, n_full + T, D)
+            vw = head_rows(v_cache, kh, v_stride, n_full + T, D)
             for j in range(T):
-                kd, vd = kw[n_cached + j], vw[n_cached + j]
+                kd, vd = kw[n_full + j], vw[n_full + j]
                 for e in range(D):
                     store_f32(kd, e, kr[j, e])
                 for e in range(D):
@@ -173,12 +218,15 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         ot[:] = 0.0
         run_max[:] = _NEG
         run_sum[:] = 0.0
-        kc = head_rows(k_cache, kh, k_stride, n_cached, D)
-        vc = head_rows(v_cache, kh, v_stride, n_cached, D)
+        kc = head_rows(k_cache, kh, k_stride, n_full, D)
+        vc = head_rows(v_cache, kh, v_stride, n_full, D)
+        for i in range(6):
+            q_base[i] = kh * q_stride[i]
         n_keys = n_cached + t_end
         for n0 in range(0, n_keys, KBLOCK):
             nb = min(KBLOCK, n_keys - n0)
-            _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb, vb)
+            _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits,
+                        q_group, rot, cos_u, sin_u, traditional)
             nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
             for mc in range(0, M, LANES):
                 for i in range(0, nb4, A_ROWS):

@@ -220,8 +220,8 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
-                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, fast=0, act_block=0,
-                  last_only=False):  # pragma: no cover
+                  scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, quant, q_stride, n_quant, q_bits,
+                  q_group, cos_u, sin_u, fast=0, act_block=0, last_only=False):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
     its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
     for the last token only, as a chunk's last layer needs: its other rows reach nothing).
@@ -241,7 +241,9 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
     ones (two int8 planes, the same blocks). q_keep [n, heads * D] (n may be 0) receives the
     chunk's last n queries before RoPE (a scored cache's votes; with ``last_only`` those rows'
-    queries are computed too, and their o_proj and MLP)."""
+    queries are computed too, and their o_proj and MLP). A quantised middle (n_quant of the
+    n_cached rows, read in place; the cache buffers hold the others): quant, q_stride, q_bits,
+    q_group, cos_u and sin_u as chunk_attention takes them."""
     T, dim = x.shape
     n_keep = q_keep.shape[0]
     # the first row whose output past K and V is wanted
@@ -305,7 +307,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t
     # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
-                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, t1)
+                    v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
+                    cos_u, sin_u, t1)
 
     # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
     Tn = T - t1
@@ -359,7 +362,8 @@ LAYER_CTL = 2 * LINE * 5
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
-                 scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, act_block=0):  # pragma: no cover
+                 scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, q_addr, q_size, q_stride, n_quant,
+                 q_bits, q_group, cos_u, sin_u, scales_like, act_block=0):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
@@ -372,16 +376,24 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     ``act_block`` elements per int8 scale, 0: PREFILL_ACT_BLOCK), plus PREFILL_DOWN_WIDE
     (FusedDecoder.prefill_mask). Each calling thread makes its own permuted-input buffer once for
     all layers (prefill_layer's xbuf). q_keep [L, n, heads * D] float32: each layer's last n
-    queries before RoPE (n = 0: none; ``rope_rows`` turns them)."""
+    queries before RoPE (n = 0: none; ``rope_rows`` turns them). Each layer's quantised middle
+    (n_quant of the n_cached rows; 0: none) as token_step takes it, with cos_u/sin_u [L, D/2]
+    the angles that turn its keys back by its rotation delta (chunk_attention)."""
     xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
+    byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], k_out)
         v_cache = kv_buffer(kv_addr[layer, 1], kv_size[layer], k_out)
+        qa, qs = q_addr[layer], q_size[layer]
+        quant = (kv_buffer(qa[0], qs[0], byte), kv_buffer(qa[1], qs[1], scales_like),
+                 kv_buffer(qa[2], qs[2], scales_like), kv_buffer(qa[3], qs[3], byte),
+                 kv_buffer(qa[4], qs[4], scales_like), kv_buffer(qa[5], qs[5], scales_like))
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, xbuf, q_keep[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
+                      act, xbuf, q_keep[layer], quant, q_stride[layer], n_quant, q_bits, q_group, cos_u[layer],
+                      sin_u[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
