@@ -32,32 +32,14 @@ from numba import njit
 from .attention import fast_exp, head_rows
 from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
 from .half import store_f32
-from .llvm import as_f32, byte_to_f32, hi_nibble, lo_nibble
+from .llvm import as_f32
 from .microkernels import A_ROWS, outer4x32
+from .quant_split import dequant_row
 
 LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
 QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
 KBLOCK = 64  # key rows per block: S^T [64, M] and the K/V blocks stay in L2 (7B: M = 32, D = 128)
 _NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a NaN
-
-
-@njit(fastmath=True, nogil=True, cache=True)
-def _dequant_row(packed, scales, biases, p0, s0, bits, group_size, D, out, o0):  # pragma: no cover - jitted
-    """out[o0:o0 + D] = one row of MLX's affine layout (its bytes from packed[p0], its groups'
-    scales and biases from s0; 4 bits: element 2j in the low nibble of byte j), natural order."""
-    for g in range(D // group_size):
-        s = as_f32(scales[s0 + g])
-        b = as_f32(biases[s0 + g])
-        if bits == 8:
-            base = g * group_size
-            for j in range(group_size):
-                out[o0 + base + j] = byte_to_f32(packed[p0 + base + j]) * s + b
-        else:
-            base = g * (group_size // 2)
-            for j in range(group_size // 2):
-                byte = packed[p0 + base + j]
-                out[o0 + 2 * (base + j)] = lo_nibble(byte) * s + b
-                out[o0 + 2 * (base + j) + 1] = hi_nibble(byte) * s + b
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -75,10 +57,10 @@ def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_
     for i in range(nb):
         n = n0 + i
         if n < n_quant:
-            _dequant_row(kq, ks, kbias, q_base[0] + n * P, q_base[1] + n * ng, q_bits, q_group, D, kb, i * D)
+            dequant_row(kq, ks, kbias, q_base[0] + n * P, q_base[1] + n * ng, q_bits, q_group, D, kb, i * D)
             if rot:
                 apply_rope(kb[i * D:(i + 1) * D], cos_u, sin_u, traditional)
-            _dequant_row(vq, vs, vbias, q_base[3] + n * P, q_base[4] + n * ng, q_bits, q_group, D, vb, i * D)
+            dequant_row(vq, vs, vbias, q_base[3] + n * P, q_base[4] + n * ng, q_bits, q_group, D, vb, i * D)
         elif n < n_cached:
             r = n - n_quant
             for e in range(D):
