@@ -228,3 +228,32 @@ def test_start_bench_smoke(tmp_path, stories4_path):
     assert all(r[1] > 0 for r in data["rows"]) and all(len(t) == 1 for t in data["meta"]["times"].values())
     with pytest.raises(SystemExit, match="no model at"):
         start_bench.run(parse("start", ["--model", str(tmp_path / "missing.gguf")]))
+
+
+def test_quality_bench_scores_each_row_through_both_routes(tmp_path, monkeypatch):
+    """--routes mlx,fused: every row twice, MLX's own route first, then a fresh model on the app's
+    fast path; the fused rows carry their perplexity over the MLX row's, which must be ~1."""
+    from chatapp.bench import quality_bench
+    from tests.fused_llama import clear_kernels
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. " * 4)
+    js = tmp_path / "routes.json"
+    args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "100", "--split", "64",
+                             "--window", "32", "--evict-chunk", "16", "--max-kv-tokens", "64", "--quant-start", "32",
+                             "--cache-mode", "prealloc,window-quant", "--routes", "fused,mlx", "--json", str(js)])
+    assert args.routes == ["mlx", "fused"]
+    try:
+        assert quality_bench.run(args) == 0
+    finally:
+        clear_kernels()  # the fast path installs attention kernels process-wide
+    data = json.loads(js.read_text())
+    assert data["columns"][-1] == "fused / MLX route"
+    rows = {r[0]: r for r in data["rows"]}
+    assert list(rows) == ["prealloc", "window-quant", "prealloc fused", "window-quant fused"]
+    assert rows["prealloc"][-1] == "n/a"
+    for mode in ("prealloc", "window-quant"):
+        assert abs(float(rows[f"{mode} fused"][-1]) - 1) < 0.01
+    with pytest.raises(SystemExit):
+        parse("quality", ["--routes", "gpu"])

@@ -75,6 +75,19 @@ def key_layouts(text: str) -> list[str]:
     return out
 
 
+ROUTES = ("mlx", "fused")
+ROUTE_SUFFIX = {"mlx": "", "fused": " fused"}  # a row's label: mode, then the route when both run
+
+
+def route_list(text: str) -> list[str]:
+    """Comma-separated routes among ROUTES, MLX's first (the fast path installs attention kernels
+    process-wide, so MLX's own route runs before any model gets it)."""
+    out = [r.strip() for r in text.split(",") if r.strip()]
+    if not out or any(r not in ROUTES for r in out):
+        raise argparse.ArgumentTypeError(f"routes must be among {', '.join(ROUTES)} (got {text!r})")
+    return [r for r in ROUTES if r in out]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default ../shared/models/stories260K)")
     p.add_argument("--random", action="store_true",
@@ -114,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma list of row labels to run (e.g. prealloc,window-quant@512/channel); default all")
     p.add_argument("--fast-path", action="store_true",
                    help="score through the app's CPU fast path (kernels, fused decode) instead of MLX's own route")
+    p.add_argument("--routes", type=route_list, default=None,
+                   help="mlx, fused, or mlx,fused: score every row through each route (a fresh model each) "
+                        "and show the fused route's perplexity over MLX's (default mlx; fused with --fast-path)")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
     p.add_argument("--seed", type=int, default=0)
 
@@ -165,20 +181,24 @@ RANDOM_SHAPE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
                     head_dim=64, intermediate_size=1024, vocab_size=258, max_position_embeddings=4096)
 
 
-def load(args) -> tuple[Any, Any, str]:
+def load(args, fused: bool = False) -> tuple[Any, Any, str]:
+    """The model, its tokenizer and a description; ``fused``: with the app's CPU fast path."""
     if args.random:
         from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
         model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed)
-        return model, byte_tokenizer(), ("random float32 Llama: hidden 512, 4 layers, 8 heads / 4 KV heads of 64, "
-                                         "byte tokenizer (vocab 258), max positions 4096")
+        desc = ("random float32 Llama: hidden 512, 4 layers, 8 heads / 4 KV heads of 64, "
+                "byte tokenizer (vocab 258), max positions 4096")
+        if fused:
+            desc += f"; CPU fast path: {fast_path(model, off=False)}"
+        return model, byte_tokenizer(), desc
     from chatapp.model.loader import load_model
 
-    # --fast-path: load and route as the app does (float16 scales kept for the CPU kernels)
-    lm = load_model(args.model, cast_scales=not args.fast_path)
+    # the fused route: load and route as the app does (float16 scales kept for the CPU kernels)
+    lm = load_model(args.model, cast_scales=not fused)
     desc = (f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, "
             f"{lm.dtype}, trained context {lm.max_position_embeddings}")
-    if args.fast_path:
+    if fused:
         desc += f"; CPU fast path: {fast_path(lm.model, off=False)}"
     return lm.model, lm.tokenizer, desc
 
@@ -359,7 +379,8 @@ def run(args) -> int:
         Path(args.save_text).write_text(text, encoding="utf-8")
         print(f"# wrote {args.save_text}")
 
-    model, tokenizer, desc = load(args)
+    routes = args.routes or (["fused"] if args.fast_path else ["mlx"])
+    model, tokenizer, desc = load(args, fused=routes[0] == "fused")
     geom = model_geometry(model)
     tokens = list(tokenizer.encode(text))[: args.max_tokens]
     n = len(tokens)
@@ -371,27 +392,33 @@ def run(args) -> int:
     bits = args.budget_bits or args.kv_bits
     rows = row_specs(args, token_bytes(geom, itemsize, bits, args.kv_group_size))
     modes = [label for label, _, _ in rows]
+    suffix = ROUTE_SUFFIX if len(routes) > 1 else dict.fromkeys(ROUTES, "")
     vocab = getattr(getattr(model, "args", None), "vocab_size", 0) or 0
     keep = "prealloc" in modes and vocab * n <= KL_LIMIT
     results, skipped, notes_all = {}, {}, {}
     split = min(args.split, n - 1)
-    for mode, cache_mode, overrides in rows:
-        settings, notes = settings_for(args, cache_mode, geom, **overrides)
-        try:
-            check_settings(settings, geom)
-        except CacheConfigError as e:
-            skipped[mode] = str(e)
-            print(f"# skipping {mode}: {e}")
-            continue
-        if notes:
-            notes_all[mode] = notes
-            print(f"# {mode}: " + "; ".join(notes))
-        r = score(model, settings, geom, tokens, n if args.chunked else args.prefill, keep)
-        r["settings"] = settings
-        results[mode] = r
-        print(f"# {mode}: ppl {ppl(r['lps']):.3f}, after {split}: {ppl(r['lps'][split:]):.3f} "
-              f"({r['seconds']:.1f} s, holds {r['held']}, evicted {r['evicted']})")
-        mx.clear_cache()
+    for route in routes:
+        if route != routes[0]:
+            model, _, fused_desc = load(args, fused=True)
+            desc += f"; fused route: {fused_desc.split('; CPU fast path: ')[-1]}"
+        for row, cache_mode, overrides in rows:
+            mode = row + suffix[route]
+            settings, notes = settings_for(args, cache_mode, geom, **overrides)
+            try:
+                check_settings(settings, geom)
+            except CacheConfigError as e:
+                skipped[mode] = str(e)
+                print(f"# skipping {mode}: {e}")
+                continue
+            if notes:
+                notes_all[mode] = notes
+                print(f"# {mode}: " + "; ".join(notes))
+            r = score(model, settings, geom, tokens, n if args.chunked else args.prefill, keep)
+            r["settings"] = settings
+            results[mode] = r
+            print(f"# {mode}: ppl {ppl(r['lps']):.3f}, after {split}: {ppl(r['lps'][split:]):.3f} "
+                  f"({r['seconds']:.1f} s, holds {r['held']}, evicted {r['evicted']})")
+            mx.clear_cache()
 
     llama_cpp = llama_cpp_ppl(args, tokens) if args.llama_cpp else None
     if llama_cpp is not None:
@@ -399,7 +426,8 @@ def run(args) -> int:
     ref = results.get("prealloc")
     rep = BenchReport(f"quality: teacher-forced perplexity per cache mode (split at {split})",
                       ["mode", "tokens", "held at end", "KV bytes held", "ppl all", f"ppl after {split}",
-                       "after / prealloc", "KL vs prealloc after", "most KV bytes held", "seconds"])
+                       "after / prealloc", "KL vs prealloc after", "most KV bytes held", "seconds",
+                       "fused / MLX route"])
     for mode, r in results.items():
         after = ppl(r["lps"][split:])
         rel = after / ppl(ref["lps"][split:]) if ref is not None else float("nan")
@@ -409,18 +437,21 @@ def run(args) -> int:
             kl = float(np.mean(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)))
         r["kl_after"] = kl
         r["rel_after"] = rel
+        mlx_twin = results.get(mode[: -len(ROUTE_SUFFIX["fused"])]) if mode.endswith(ROUTE_SUFFIX["fused"]) \
+            and len(routes) > 1 else None
+        route_ratio = f"{ppl(r['lps']) / ppl(mlx_twin['lps']):.5f}" if mlx_twin is not None else "n/a"
         rep.add(mode, n, r["held"], r["kv_bytes"], round(ppl(r["lps"]), 4), round(after, 4),
                 f"{rel:.5f}" if not math.isnan(rel) else "n/a", f"{kl:.3g}" if not math.isnan(kl) else "n/a",
-                r["max_bytes"], round(r["seconds"], 1))
+                r["max_bytes"], round(r["seconds"], 1), route_ratio)
 
     if llama_cpp is not None:
         rep.add("llama.cpp", n, n, "n/a", round(ppl(llama_cpp["lps"]), 4), round(ppl(llama_cpp["lps"][split:]), 4),
                 f"{ppl(llama_cpp['lps'][split:]) / ppl(ref['lps'][split:]):.5f}" if ref is not None else "n/a", "n/a",
-                "n/a", round(llama_cpp["seconds"], 1))
+                "n/a", round(llama_cpp["seconds"], 1), "n/a")
         rep.meta["llama.cpp"] = (f"llama_cpp {llama_cpp['version']}, same tokens, logits_all=True, "
                                  f"{llama_cpp['seconds']:.1f} s")
     rep.meta.update(
-        model=desc, text=source, tokens=n, split=split, prefill=args.prefill,
+        model=desc, text=source, tokens=n, split=split, prefill=args.prefill, routes=routes,
         method="teacher forcing through model(token, cache=make_caches(mode)); "
                "ppl = exp(-mean log p(next true token)); "
                "KL = mean over positions after the split of KL(prealloc || mode) next-token distributions",
