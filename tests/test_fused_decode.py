@@ -15,7 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cache import CacheSettings, install_attention, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import FusedDecoder, fused_unsupported, is_fused  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
+from chatapp.backend.fused_support import fused_unsupported  # noqa: E402
 from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
 from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
 
@@ -123,7 +124,7 @@ def test_every_policy_takes_the_fused_step(mode, monkeypatch):
 def test_concat_and_per_channel_keys_keep_the_per_op_step(settings_, monkeypatch):
     """concat shows what per-token concatenation costs; keys quantised per channel are a layout
     the step's kernels do not read (cache_refusal says so): both stay on MLX's route."""
-    from chatapp.backend.fused_decode import cache_refusal
+    from chatapp.backend.fused_support import cache_refusal
 
     ref, fast = _model(), _model()
     apply_fast_path(fast, backend="cpu", warm_up=False)
@@ -206,7 +207,7 @@ def test_session_reply_through_the_fused_step_equals_mlx_lm(monkeypatch):
 
 def test_numerics_auto_is_fast_only_where_the_cpu_has_vector_int8_products(monkeypatch):
     import chatapp.kernels.int8dot as int8dot
-    from chatapp.backend.fused_decode import numerics_line, resolve_numerics
+    from chatapp.backend.fused_settings import numerics_line, resolve_numerics
 
     for isa, want in (("vnni512", "fast"), ("vnni", "fast"), ("avx2", "fast"), ("generic", "exact")):
         monkeypatch.setattr(int8dot, "ISA", isa)

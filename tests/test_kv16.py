@@ -20,7 +20,8 @@ from cache.factory import restore_caches  # noqa: E402
 from chatapp.backend import fused_decode  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.decode_attention import decode_full, decode_mixed  # noqa: E402
-from chatapp.backend.fused_decode import fused_decoder, resolve_kv_dtype  # noqa: E402
+from chatapp.backend.fused_decode import fused_decoder  # noqa: E402
+from chatapp.backend.fused_settings import resolve_kv_dtype  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from chatapp.kernels import half  # noqa: E402
 from chatapp.kernels.attention import attend_full, heads_view  # noqa: E402

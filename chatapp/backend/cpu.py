@@ -175,9 +175,9 @@ def accelerate_model(
     (fused_decode.py); every supported projection then takes the kernel route, since
     decode no longer pays a dispatch per small layer. numerics: "exact", "fast" (the fused
     step's 4-bit rows against int8-quantised activations, kernels/int8dot.py) or "auto" (fast
-    where the CPU has VNNI or AVX2, fused_decode.resolve_numerics). kv_dtype: the K/V buffers the fused
+    where the CPU has VNNI or AVX2, fused_settings.resolve_numerics). kv_dtype: the K/V buffers the fused
     routes make, "float16", "float32" or "auto" (float16 where the CPU has F16C,
-    fused_decode.resolve_kv_dtype). precompile: on a first start, compile the fused prefill kernel
+    fused_settings.resolve_kv_dtype). precompile: on a first start, compile the fused prefill kernel
     in a second process meanwhile (precompile.py). on_slow_warm_up: told, from a helper thread, while a warm-up
     runs long (compiling on a first start: warmup.announce_when_slow). dense_weights: "on" keeps a float32 copy
     of every quantised weight and uses it
@@ -228,7 +228,7 @@ def accelerate_model(
         return plan
     fuse = None
     if fused_decode and kernels_ok and dense_weights != "on":
-        from .fused_decode import fused_unsupported
+        from .fused_support import fused_unsupported
 
         fuse = fused_unsupported(model)
         if fuse is None:

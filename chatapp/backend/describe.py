@@ -33,18 +33,18 @@ def cpu_backend_lines(cpu) -> list[str]:
             lines.append(f"prefill gemm: {numpy_blas().describe()}")
             lines.append("decode attention: kernel (float32, float16 and quantised KV read in place)"
                          if cpu.fast_attention else "decode attention: MLX SDPA (cpu.fast_attention = false)")
-            from chatapp.backend.fused_decode import FUSED_MODEL_TYPES
+            from chatapp.backend.fused_support import FUSED_MODEL_TYPES
 
             lines.append(f"fused decode: one native call per token for {'/'.join(FUSED_MODEL_TYPES)} models with "
                          "kernel-readable projections and a prealloc cache "
                          "(every such projection then takes the kernel)"
                          if cpu.fused_decode else "fused decode: off (cpu.fused_decode = false)")
             if cpu.fused_decode:
-                from chatapp.backend.fused_decode import numerics_line
+                from chatapp.backend.fused_settings import numerics_line
 
                 lines.append(f"fused decode {numerics_line(cpu.numerics)} (cpu.numerics = {cpu.numerics}"
                              f"{': fast where the CPU has VNNI or AVX2' if cpu.numerics == 'auto' else ''})")
-                from chatapp.backend.fused_decode import kv_dtype_line
+                from chatapp.backend.fused_settings import kv_dtype_line
 
                 lines.append(f"fused decode and prefill {kv_dtype_line(cpu.kv_dtype)} (cpu.kv_dtype = {cpu.kv_dtype}"
                              f"{': float16 where the CPU has F16C' if cpu.kv_dtype == 'auto' else ''}; "

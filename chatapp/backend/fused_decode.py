@@ -16,10 +16,11 @@ caches that dtype before anything writes them, and the kernels read and write fl
 (kernels/half.py); caches that already hold float32 rows are read as float32.
 
 ``install_fused_decode`` swaps the model's class for a subclass whose ``__call__`` takes this
-path for a single token over plain preallocated caches (``SegmentedKVCache`` with nothing
-quantised or evicted) and hands every other call (prefill, other cache modes, embeddings
-inputs) to the model's own ``__call__``. Only models whose decoder layers are exactly Llama's
-math (``fused_unsupported`` checks the type and each module) are fused.
+path for a single token, and ``prefill`` for a chunk whose caller wants its last position only,
+over every segmented cache (prealloc and each policy over it: sinks, a recent window, a
+quantised middle read as stored, scored votes; fused_support.cache_refusal), and hands every
+other call (other caches, embeddings inputs) to the model's own ``__call__``. Only models whose
+decoder layers are exactly Llama's math (fused_support.fused_unsupported) are fused.
 """
 
 from __future__ import annotations
@@ -32,83 +33,25 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from chatapp.config import KV_DTYPES
-
+from .fused_settings import (
+    DOWN_CHOICES,
+    FAST_DOWN_DEFAULT,
+    FAST_HEAD_DEFAULT,
+    HEAD_CHOICES,
+    KV_HOST,
+    KV_MX,
+    kv_dtype_line,
+    numerics_line,
+    resolve_kv_dtype,
+    resolve_numerics,
+)
+from .fused_support import (
+    PROJECTIONS,
+    cache_refusal,
+    fused_unsupported,
+    inner_model,
+)
 from .qlinear import last_position_wanted
-
-# model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
-FUSED_MODEL_TYPES = ("llama", "mistral")
-# where numerics fast runs down_proj (FusedDecoder.set_fast's decode_down / prefill_down), each
-# choice with its words for --show-config; the default, int8 like the other products
-DOWN_CHOICES = {"int8": "on int8 too", "wide": "on 16-bit activations", "exact": "exact"}
-FAST_DOWN_DEFAULT = "int8"
-# the output head under numerics fast (set_fast's ``head``): on int8 activations per
-# int8head.HEAD_ACT_BLOCK (kernels/int8head.py), or float32 ones as exact computes it
-HEAD_CHOICES = {"int8": "on int8", "exact": "exact"}
-FAST_HEAD_DEFAULT = "int8"
-_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
-
-def _inner(model: nn.Module):
-    return model.get("model") if isinstance(model, nn.Module) else None
-
-
-def _quantised(m) -> str | None:
-    """None when ``m`` is a quantised linear/embedding the packed kernels can read."""
-    from chatapp.kernels.qmatmul import unsupported
-
-    if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-        return f"{type(m).__name__} is not quantised"
-    if m.get("biases") is None:
-        return "no quantisation biases (kernels: affine)"
-    return unsupported(m.bits, m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
-
-
-def fused_unsupported(model: nn.Module) -> str | None:
-    """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
-    args = getattr(model, "args", None)
-    mtype = getattr(args, "model_type", None)
-    if mtype not in FUSED_MODEL_TYPES:
-        return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
-    inner = _inner(model)
-    layers = getattr(inner, "layers", None)
-    if not layers:
-        return "no decoder layers found"
-    groups = set()
-    for layer in layers:
-        if getattr(layer, "use_sliding", False):
-            return "sliding-window layers"
-        attn = layer.get("self_attn")
-        rope = getattr(attn, "rope", None)
-        if type(rope) is not nn.RoPE or rope.dims != attn.head_dim:
-            return f"RoPE {type(rope).__name__} (fused decode: plain nn.RoPE over the whole head)"
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            if type(layer.get(norm)) is not nn.RMSNorm:
-                return f"{norm} is not RMSNorm"
-        for parent, name in _PROJECTIONS:
-            proj = layer[parent].get(name)
-            if proj is None or "bias" in proj:
-                return f"{name} missing or with a bias"
-            why = _quantised(proj)
-            if why:
-                return f"{name}: {why}"
-            groups.add(proj.group_size)
-    if len(groups) != 1:
-        return "projections with different group sizes"
-    if type(inner.get("norm")) is not nn.RMSNorm:
-        return "final norm is not RMSNorm"
-    embed = inner.get("embed_tokens")
-    if not isinstance(embed, (nn.QuantizedEmbedding, nn.Embedding)):
-        return "no token embedding"
-    head = embed if getattr(args, "tie_word_embeddings", True) and "lm_head" not in model else model.get("lm_head")
-    if head is None:
-        return "no output head"
-    if isinstance(head, nn.QuantizedEmbedding) or isinstance(head, nn.QuantizedLinear):
-        why = _quantised(head)
-        if why:
-            return f"output head: {why}"
-    return None
 
 
 @dataclass
@@ -148,7 +91,7 @@ class FusedDecoder:
     chunks = 0
 
     def __init__(self, model: nn.Module, numerics: str = "exact", kv_dtype: str = "float32"):
-        inner = _inner(model)
+        inner = inner_model(model)
         # the dtype of the K/V buffers this decoder gives the caches it meets empty (adopt):
         # float16 halves the bytes a long-context step streams and the cache's memory
         self.kv_dtype = resolve_kv_dtype(kv_dtype)
@@ -160,7 +103,7 @@ class FusedDecoder:
 
         self.layers: list[_Layer] = []
         for layer in inner.layers:
-            pws = [_weights(layer[p][n]) for p, n in _PROJECTIONS]
+            pws = [_weights(layer[p][n]) for p, n in PROJECTIONS]
             weights = tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws)
             self.layers.append(_Layer(
                 weights,
@@ -213,7 +156,7 @@ class FusedDecoder:
         from chatapp.kernels.typed_lists import typed_list
 
         self.layers = layers
-        self._lists = [typed_list([layer.weights[j] for layer in layers]) for j in range(len(_PROJECTIONS))]
+        self._lists = [typed_list([layer.weights[j] for layer in layers]) for j in range(len(PROJECTIONS))]
         self._attn_norms = np.stack([layer.attn_norm for layer in layers])
         self._mlp_norms = np.stack([layer.mlp_norm for layer in layers])
         self._bits = np.stack([layer.bits for layer in layers])
@@ -577,28 +520,6 @@ class FusedDecoder:
         return cos, sin
 
 
-def cache_refusal(cache, n_layers: int) -> str | None:
-    """None when the fused routes serve ``cache`` (one segmented cache per layer: prealloc and every
-    policy over it, sinks, windows, budgets, a quantised middle read as stored), else why not."""
-    from cache.kv import SegmentedKVCache
-
-    if not isinstance(cache, (list, tuple)) or len(cache) != n_layers:
-        return "not one cache per layer"
-    for c in cache:
-        if not isinstance(c, SegmentedKVCache):
-            return f"{type(c).__name__} caches (fused: the segmented caches)"
-        if c.quant is not None:
-            if c.quant.kind != "quant":
-                # the kernels read MLX's per-token groups; per-channel keys (KIVI) are transposed
-                # [head_dim, tokens] groups, which the step's per-token splits do not walk
-                return "keys quantised per channel (kv_key_layout channel: MLX's route)"
-            if c.quant.bits not in (4, 8) or c.quant.group_size not in (32, 64, 128):
-                return f"{c.quant.bits}-bit KV in groups of {c.quant.group_size}"
-        if c.full.keys is not None and (c.full.keys.dtype not in KV_HOST or c.full.values.dtype != c.full.keys.dtype):
-            return f"K/V held as {c.full.keys.dtype}"
-    return None
-
-
 def _half_scales_native() -> bool:
     from chatapp.kernels import half_scales_native
 
@@ -626,36 +547,9 @@ def _pin_quant(q) -> tuple:
     return tuple(views), np.array(addrs, np.int64), np.array(sizes, np.int64), np.array(strides, np.int64)
 
 
-# the K/V buffer dtypes the fused kernels read, and how they see them (float16 as its bits)
-KV_MX = {"float32": mx.float32, "float16": mx.float16}
-KV_HOST = {mx.float32: np.float32, mx.float16: np.uint16}
-
-
 def _kv_like(caches: list) -> np.ndarray:
     """The empty array whose dtype tells the kernels the caches' buffer element type."""
     return np.empty(0, KV_HOST[caches[0].full.keys.dtype])
-
-
-def resolve_kv_dtype(kv_dtype: str) -> str:
-    """``float16`` or ``float32`` for a cpu.kv_dtype choice: ``auto`` is float16 where the CPU
-    converts half precision in vector instructions (F16C, detected; kernels/half.py), float32
-    elsewhere, where each K/V element would cost a scalar conversion call."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
-    if kv_dtype != "auto":
-        return kv_dtype
-    from chatapp.kernels.half import HAS_F16C
-
-    return "float16" if HAS_F16C else "float32"
-
-
-def kv_dtype_line(kv_dtype: str) -> str:
-    """What the fused routes keep K/V as, for the plan and --show-config."""
-    from chatapp.kernels.half import HAS_F16C
-
-    dt = resolve_kv_dtype(kv_dtype)
-    how = "F16C" if HAS_F16C else "scalar conversion"
-    return f"K/V cache float16 ({how})" if dt == "float16" else "K/V cache float32"
 
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -684,30 +578,6 @@ def _fused_class(base: type) -> type:
         cls = type(f"Fused{base.__name__}", (base,), {"__call__": __call__, "_chatapp_base": base})
         _FUSED_CLASSES[base] = cls
     return cls
-
-
-def resolve_numerics(numerics: str) -> str:
-    """``exact`` or ``fast`` for a cpu.numerics choice: ``auto`` is fast where the CPU has vector
-    int8 products (VNNI or AVX2, detected: int8dot.AUTO_FAST_ISAS) and exact elsewhere, where the
-    portable int8 code would not pay for its accuracy cost."""
-    if numerics != "auto":
-        return numerics
-    from chatapp.kernels.int8dot import AUTO_FAST_ISAS, ISA
-
-    return "fast" if ISA in AUTO_FAST_ISAS else "exact"
-
-
-def numerics_line(numerics: str) -> str:
-    """How the fused step's 4-bit products are computed, for the plan and --show-config."""
-    if resolve_numerics(numerics) != "fast":
-        return "numerics exact (float32 activations)"
-    from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
-    from chatapp.kernels.int8head import HEAD_ACT_BLOCK
-    from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
-
-    return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
-            f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact; "
-            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK})")
 
 
 def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str = "exact",

@@ -36,7 +36,7 @@ class PrefillTypes:
 
 def prefill_types(layer, numerics: str, kv_dtype: str) -> PrefillTypes:
     """The PrefillTypes of a model whose kernel layers are like ``layer``, under the settings."""
-    from .fused_decode import resolve_kv_dtype, resolve_numerics
+    from .fused_settings import resolve_kv_dtype, resolve_numerics
 
     return PrefillTypes(str(layer["scales"].dtype).rsplit(".", 1)[-1], resolve_kv_dtype(kv_dtype),
                         resolve_numerics(numerics))

@@ -23,7 +23,7 @@ tokens (prefilled: the cache reuses the rest), TTFT (ms, from ``reply()``'s star
 token: rendering, tokenising, prefill, first sample), prefill tok/s of the new tokens, decode
 tok/s (the tokens after the first over their time), KV bytes held and allocated, and the route
 that ran: ``fused`` when the model has the fused native step and
-``backend.fused_decode.cache_refusal`` accepts the caches, else ``mlx`` and why.
+``backend.fused_support.cache_refusal`` accepts the caches, else ``mlx`` and why.
 
 llama.cpp (``--peers chatapp,llama.cpp``, when llama-cpp-python is importable; one line says it
 is skipped otherwise) runs in a process of its own (long_peer.py) on the same GGUF file at its

@@ -139,7 +139,7 @@ def run(args) -> int:
     import numpy as np
 
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.backend.fused_decode import DOWN_CHOICES, HEAD_CHOICES
+    from chatapp.backend.fused_settings import DOWN_CHOICES, HEAD_CHOICES
     from chatapp.bench.common import loadavg
 
     variants = _variants(args.variants)
@@ -160,7 +160,8 @@ def run(args) -> int:
         models[numerics] = model
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
-    from chatapp.backend.fused_decode import fused_decoder, resolve_kv_dtype
+    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_settings import resolve_kv_dtype
 
     dec = fused_decoder(models["fast"])
     for name, block, last_exact in variants:

@@ -6,7 +6,7 @@ streams, half the cache's memory); the attention kernels read float32 or uint16 
 dtype. The conversions are plain LLVM ``fpext``/``fptrunc`` on ``half``: where the CPU has F16C
 (``HAS_F16C``), the vectoriser turns a loop of them into ``vcvtph2ps``/``vcvtps2ph`` (8 or 16
 lanes); elsewhere LLVM calls its scalar conversion routines, which is why ``auto`` keeps float32
-K/V there (fused_decode.resolve_kv_dtype).
+K/V there (fused_settings.resolve_kv_dtype).
 """
 
 from __future__ import annotations

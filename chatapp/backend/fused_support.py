@@ -1,0 +1,98 @@
+"""What the fused native steps serve (backend/fused_decode.py): the models whose decoder layers
+are exactly Llama's math, and the caches whose buffers the kernels read in place; each says why
+not in one phrase, for the plan, --verbose and the route line."""
+
+from __future__ import annotations
+
+import mlx.nn as nn
+
+from .fused_settings import KV_HOST
+
+# model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
+FUSED_MODEL_TYPES = ("llama", "mistral")
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+
+def inner_model(model: nn.Module):
+    return model.get("model") if isinstance(model, nn.Module) else None
+
+
+def _quantised(m) -> str | None:
+    """None when ``m`` is a quantised linear/embedding the packed kernels can read."""
+    from chatapp.kernels.qmatmul import unsupported
+
+    if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        return f"{type(m).__name__} is not quantised"
+    if m.get("biases") is None:
+        return "no quantisation biases (kernels: affine)"
+    return unsupported(m.bits, m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
+
+
+def fused_unsupported(model: nn.Module) -> str | None:
+    """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
+    args = getattr(model, "args", None)
+    mtype = getattr(args, "model_type", None)
+    if mtype not in FUSED_MODEL_TYPES:
+        return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
+    inner = inner_model(model)
+    layers = getattr(inner, "layers", None)
+    if not layers:
+        return "no decoder layers found"
+    groups = set()
+    for layer in layers:
+        if getattr(layer, "use_sliding", False):
+            return "sliding-window layers"
+        attn = layer.get("self_attn")
+        rope = getattr(attn, "rope", None)
+        if type(rope) is not nn.RoPE or rope.dims != attn.head_dim:
+            return f"RoPE {type(rope).__name__} (fused decode: plain nn.RoPE over the whole head)"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            if type(layer.get(norm)) is not nn.RMSNorm:
+                return f"{norm} is not RMSNorm"
+        for parent, name in PROJECTIONS:
+            proj = layer[parent].get(name)
+            if proj is None or "bias" in proj:
+                return f"{name} missing or with a bias"
+            why = _quantised(proj)
+            if why:
+                return f"{name}: {why}"
+            groups.add(proj.group_size)
+    if len(groups) != 1:
+        return "projections with different group sizes"
+    if type(inner.get("norm")) is not nn.RMSNorm:
+        return "final norm is not RMSNorm"
+    embed = inner.get("embed_tokens")
+    if not isinstance(embed, (nn.QuantizedEmbedding, nn.Embedding)):
+        return "no token embedding"
+    head = embed if getattr(args, "tie_word_embeddings", True) and "lm_head" not in model else model.get("lm_head")
+    if head is None:
+        return "no output head"
+    if isinstance(head, nn.QuantizedEmbedding) or isinstance(head, nn.QuantizedLinear):
+        why = _quantised(head)
+        if why:
+            return f"output head: {why}"
+    return None
+
+
+def cache_refusal(cache, n_layers: int) -> str | None:
+    """None when the fused routes serve ``cache`` (one segmented cache per layer: prealloc and every
+    policy over it, sinks, windows, budgets, a quantised middle read as stored), else why not."""
+    from cache.kv import SegmentedKVCache
+
+    if not isinstance(cache, (list, tuple)) or len(cache) != n_layers:
+        return "not one cache per layer"
+    for c in cache:
+        if not isinstance(c, SegmentedKVCache):
+            return f"{type(c).__name__} caches (fused: the segmented caches)"
+        if c.quant is not None:
+            if c.quant.kind != "quant":
+                # the kernels read MLX's per-token groups; per-channel keys (KIVI) are transposed
+                # [head_dim, tokens] groups, which the step's per-token splits do not walk
+                return "keys quantised per channel (kv_key_layout channel: MLX's route)"
+            if c.quant.bits not in (4, 8) or c.quant.group_size not in (32, 64, 128):
+                return f"{c.quant.bits}-bit KV in groups of {c.quant.group_size}"
+        if c.full.keys is not None and (c.full.keys.dtype not in KV_HOST or c.full.values.dtype != c.full.keys.dtype):
+            return f"K/V held as {c.full.keys.dtype}"
+    return None
