@@ -50,6 +50,7 @@ from .fused_support import (
     cache_refusal,
     fused_unsupported,
     inner_model,
+    rope_frequencies,
 )
 from .qlinear import last_position_wanted
 
@@ -116,12 +117,8 @@ class FusedDecoder:
         self.group_size = int(pws[0].group_size)
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
         self.scale = np.float32(attn.scale)
-        rope = attn.rope
-        self.traditional = bool(rope.traditional)
-        # nn.RoPE: theta_i = position * scale * base ** (-2i / dims)
-        self.inv_freq = (np.float32(rope.scale) * np.power(
-            np.float32(rope.base),
-            -np.arange(0, rope.dims, 2, dtype=np.float32) / np.float32(rope.dims))).astype(np.float32)
+        self.traditional = bool(attn.rope.traditional)
+        self.inv_freq = rope_frequencies(attn.rope, self.head_dim)  # (fused_unsupported checked it)
         self.final_norm, self.final_eps = _norm(inner["norm"]), np.float32(inner["norm"].eps)
         embed = inner["embed_tokens"]
         self.embed = embed

@@ -4,7 +4,9 @@ not in one phrase, for the plan, --verbose and the route line."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .fused_settings import KV_HOST
 
@@ -30,6 +32,26 @@ def _quantised(m) -> str | None:
     return unsupported(m.bits, m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
 
 
+def rope_frequencies(rope, head_dim: int | None) -> np.ndarray | str:
+    """inv_freq [head_dim / 2] float32 (pair i turns by position x inv_freq[i], as MLX's RoPE
+    computes it) for the RoPE modules the kernels rotate as MLX does, or why not: nn.RoPE over
+    the whole head (base and scale: linear scaling included) and mlx-lm's Llama3RoPE (Llama 3.1 /
+    3.2's per-frequency scaling, GGUF's ``rope_freqs``), whose ``mx.fast.rope(freqs=...)`` turns
+    pair i by position / freqs[i]."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    name = type(rope).__name__
+    dims = getattr(rope, "dims", None)
+    if type(rope) not in (nn.RoPE, Llama3RoPE):
+        return f"RoPE {name} (fused decode: nn.RoPE or Llama 3's scaled RoPE)"
+    if dims != head_dim:
+        return f"RoPE over {dims} of the head's {head_dim} dims (fused decode: the whole head)"
+    if isinstance(rope, Llama3RoPE):
+        return (np.float32(1.0) / np.asarray(rope._freqs.astype(mx.float32))).astype(np.float32)
+    return (np.float32(rope.scale) * np.power(
+        np.float32(rope.base), -np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims))).astype(np.float32)
+
+
 def fused_unsupported(model: nn.Module) -> str | None:
     """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
     args = getattr(model, "args", None)
@@ -45,9 +67,9 @@ def fused_unsupported(model: nn.Module) -> str | None:
         if getattr(layer, "use_sliding", False):
             return "sliding-window layers"
         attn = layer.get("self_attn")
-        rope = getattr(attn, "rope", None)
-        if type(rope) is not nn.RoPE or rope.dims != attn.head_dim:
-            return f"RoPE {type(rope).__name__} (fused decode: plain nn.RoPE over the whole head)"
+        freqs = rope_frequencies(getattr(attn, "rope", None), getattr(attn, "head_dim", None))
+        if isinstance(freqs, str):
+            return freqs
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if type(layer.get(norm)) is not nn.RMSNorm:
                 return f"{norm} is not RMSNorm"

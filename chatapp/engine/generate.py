@@ -35,6 +35,37 @@ class GenerationSettings:
         return []
 
 
+class TokenPicker:
+    """The next token from a position's logits [1, vocab], as the generation settings say: end
+    tokens banned under ignore_eos (as llama.cpp's --ignore-eos does, rather than generating and
+    hiding them: a hidden token sits in the cache but not in the reply's text, so the next turn's
+    rendering would stop matching the cache there), the logits processors (repetition penalty)
+    over the recent tokens, then mlx-lm's sampler on the log-probabilities. ``observe``: what
+    decode_tokens calls with each token fed, where processors need the history (else None)."""
+
+    def __init__(self, gen: GenerationSettings, eos_ids, recent: list[int]):
+        if gen.seed is not None:
+            mx.random.seed(gen.seed)
+        self._sampler, self._processors = gen.sampler(), gen.processors()
+        self._history = mx.array(recent[-64:]) if self._processors else None
+        self._banned = sorted(eos_ids) if gen.ignore_eos else []
+        self._ban = None
+        self.observe = self._observe if self._processors else None
+
+    def __call__(self, lg: mx.array) -> mx.array:
+        if self._banned:
+            if self._ban is None:
+                self._ban = mx.zeros((lg.shape[-1],), lg.dtype)
+                self._ban[mx.array(self._banned)] = -mx.inf
+            lg = lg + self._ban
+        for p in self._processors:
+            lg = p(self._history, lg)
+        return self._sampler(lg - mx.logsumexp(lg, axis=-1, keepdims=True))
+
+    def _observe(self, y: mx.array) -> None:
+        self._history = mx.concatenate([self._history, y])
+
+
 # ---- events a turn yields ---------------------------------------------------------------------
 def run_turn(events) -> TurnDone | None:
     """Drain a turn's event stream and return its TurnDone (for callers that do not stream)."""

@@ -31,10 +31,11 @@ from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
 from chatapp.prompt.formats import PromptFormat
+from chatapp.prompt.render_match import render_as_generated
 
 from .cache_view import session_view
 from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
-from .generate import GenerationSettings, StopMatcher, decode_tokens
+from .generate import GenerationSettings, StopMatcher, TokenPicker, decode_tokens
 from .memory import read_gauges
 from .prefix import PrefixSource, warm_start
 from .route import decode_route
@@ -459,33 +460,7 @@ class Session:
         TokenEvents, then TurnDone; the token loop underneath is :func:`generate.decode_tokens`.
         ``t0`` is when the turn started (TTFT counts from it)."""
         gen = self.generation
-        if gen.seed is not None:
-            mx.random.seed(gen.seed)
-        sampler, processors = gen.sampler(), gen.processors()
-        history = mx.array(self.cached[-64:]) if processors else None
-        # ignore_eos bans the end tokens (as llama.cpp's --ignore-eos does) rather than generating
-        # and hiding them: a hidden token sits in the cache but not in the reply's text, so the
-        # next turn's rendering would stop matching the cache there.
-        banned = sorted(self.eos_ids) if gen.ignore_eos else []
-        ban = None
-
-        def sample(lg):
-            nonlocal ban
-            if banned:
-                if ban is None:
-                    ban = mx.zeros((lg.shape[-1],), lg.dtype)
-                    ban[mx.array(banned)] = -mx.inf
-                lg = lg + ban
-            if processors:
-                for p in processors:
-                    lg = p(history, lg)
-            logprobs = lg - mx.logsumexp(lg, axis=-1, keepdims=True)
-            return sampler(logprobs)
-
-        def observe(y):
-            nonlocal history
-            history = mx.concatenate([history, y])
-
+        pick = TokenPicker(gen, self.eos_ids, self.cached)
         detok = self.tokenizer.detokenizer
         detok.reset()
         stops = StopMatcher(list(self.format.stop_strings))
@@ -494,8 +469,8 @@ class Session:
         # A native decode step (backend.fused_decode) runs inside the model call rather than
         # lazily: scheduled before a token is read, it would hold that token back by one step.
         sync = steps_synchronously(self.model)
-        steps = decode_tokens(self.model, self.caches, logits, sample, gen.max_tokens, sync=sync,
-                              cancelled=self._cancel.is_set, observe=observe if processors else None)
+        steps = decode_tokens(self.model, self.caches, logits, pick, gen.max_tokens, sync=sync,
+                              cancelled=self._cancel.is_set, observe=pick.observe)
         for tok, fed, context in steps:
             now = time.perf_counter()
             if fed and not sync:
@@ -546,7 +521,7 @@ class Session:
         if text or not interrupted:
             self.conversation.add("assistant", text, interrupted=interrupted)
             if raw is not None and self.format.renders_as_generated:
-                self._render_as_generated(raw)
+                render_as_generated(self.format, self.conversation, self.cached, raw)
         stats.route = decode_route(self.model, self.caches)  # what this turn ran on, before a switch
         switch = self._apply_policy(len(self.cached))
         if switch:
@@ -563,30 +538,6 @@ class Session:
         held = stats.cache.bytes_held if stats.cache.tokens else 0
         stats.memory = read_gauges(kv_held=held, tokens=len(self.cached))
         stats.memory_trace.append(stats.memory)
-
-    def _render_as_generated(self, raw: str) -> None:
-        """Set ``raw`` on the reply just added so that the transcript re-tokenises into what the
-        cache holds.
-
-        Streaming detokenisers drop the leading space of a reply's first token (SentencePiece's
-        "▁", a byte-level BPE's "Ġ"); a byte-level model's reply may have none. Of the default
-        rendering (None), the decoded text and the text with that space restored, keep the first
-        whose transcript shares the longest prefix with the cached tokens, so the next turn
-        prefills none of the reply again. Candidates that render the same are tokenised once
-        (usually two tokenisations in all, after the reply).
-        """
-        msg = self.conversation.messages[-1]
-        best, best_common, tried = None, -1, set()
-        for candidate in (None, raw, " " + raw):
-            msg.raw = candidate
-            rendering = self.format.rendering(self.conversation, generation_prompt=False)
-            if rendering in tried:
-                continue
-            tried.add(rendering)
-            common = common_prefix(self.cached, self.format.tokens(self.conversation, generation_prompt=False))
-            if common > best_common:
-                best, best_common = candidate, common
-        msg.raw = best
 
     # ---- persistence hooks (used by chatapp.store) ----------------------------------------------
     @property

@@ -43,7 +43,7 @@ from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
 from .llvm import atomic_add
 from .microkernels import A_ROWS
-from .quant_split import QTILE, attend_quant_split
+from .quant_split import attend_quant_split, prepare_quant_queries
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
@@ -307,8 +307,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     o = np.empty(G4 * D, np.float32)
     qg = np.empty(G * D, np.float32)
     kr = np.empty(D, np.float32)
-    kt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
-    vt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
+    qq = np.empty(G * D, np.float32)
+    qsum = np.empty(G * D, np.float32)
     q_base = np.empty(6, np.int64)
     while True:
         u = phase_claim(ctl, 1, n_units)
@@ -321,11 +321,12 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                 for e in range(D):
                     qg[g * D + e] = q[h * D + e]
                 apply_rope(qg[g * D:(g + 1) * D], cos_q, sin_q, traditional)
+            prepare_quant_queries(qg, G, D, q_bits, q_group, qq, qsum)
             for i in range(6):
                 q_base[i] = kh * q_stride[i]
             a = (sp - S) * per_q
-            attend_quant_split(qg, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
-                               scale, s, L, o, part, u * G * (D + SLOT), kt, vt)
+            attend_quant_split(qq, qsum, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
+                               scale, s, L, o, part, u * G * (D + SLOT))
             phase_done(ctl, 1)
             continue
         for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)

@@ -34,7 +34,7 @@ from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
 from .microkernels import A_ROWS, outer4x32
-from .quant_split import dequant_row
+from .quant_split import dequant_rows
 
 LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
 QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
@@ -49,19 +49,19 @@ def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_
     rows] as float32, rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads
     4 key rows). The middle's rows (n_quant of them, MLX's affine layout in ``quant``, this head's
     from element ``q_base[i]`` of each buffer) are dequantised here and their keys turned by
-    cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives); softmax is
-    order-free, so they need not sit between the sinks and the window as they do in sequence."""
-    P = D * q_bits // 8
-    ng = D // q_group
+    cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives);
+    softmax is order-free, so they need not sit between the sinks and the window as in sequence."""
     kq, ks, kbias, vq, vs, vbias = quant
-    for i in range(nb):
-        n = n0 + i
-        if n < n_quant:
-            dequant_row(kq, ks, kbias, q_base[0] + n * P, q_base[1] + n * ng, q_bits, q_group, D, kb, i * D)
-            if rot:
+    mq = max(0, min(n0 + nb, n_quant) - n0)  # the block's rows in the middle: its first ones
+    if mq:
+        dequant_rows(kq, ks, kbias, q_base[0], q_base[1], n0, mq, q_bits, q_group, D, kb)
+        dequant_rows(vq, vs, vbias, q_base[3], q_base[4], n0, mq, q_bits, q_group, D, vb)
+        if rot:
+            for i in range(mq):
                 apply_rope(kb[i * D:(i + 1) * D], cos_u, sin_u, traditional)
-            dequant_row(vq, vs, vbias, q_base[3] + n * P, q_base[4] + n * ng, q_bits, q_group, D, vb, i * D)
-        elif n < n_cached:
+    for i in range(mq, nb):
+        n = n0 + i
+        if n < n_cached:
             r = n - n_quant
             for e in range(D):
                 kb[i * D + e] = as_f32(kc[r, e])
