@@ -165,10 +165,10 @@ def test_never_installed_off_the_cpu(backend, monkeypatch):
 
 def test_unfusable_models_say_why_and_setting_off():
     m = _model()
-    m.args.model_type = "qwen2"
-    assert "qwen2" in fused_unsupported(m)
+    m.args.model_type = "granite"
+    assert "granite" in fused_unsupported(m)
     plan = apply_fast_path(m, backend="cpu", warm_up=False)
-    assert not is_fused(m) and "fused decode: off (model type 'qwen2'" in plan.fused_decode
+    assert not is_fused(m) and "fused decode: off (model type 'granite'" in plan.fused_decode
     m2 = _model()
     plan = apply_fast_path(m2, backend="cpu", warm_up=False, fused_decode=False)
     assert not is_fused(m2) and "cpu.fused_decode = false" in plan.fused_decode

@@ -47,6 +47,7 @@ from .fused_settings import (
 )
 from .fused_support import (
     PROJECTIONS,
+    attention_head_dim,
     cache_refusal,
     fused_unsupported,
     inner_model,
@@ -64,6 +65,17 @@ class _Layer:
     attn_norm: np.ndarray
     mlp_norm: np.ndarray
     eps: np.float32
+    # the q, k and v projections' biases concatenated (Qwen2), float32 [nq + nk + nv]; [0]: none
+    qkv_bias: np.ndarray
+
+
+def _qkv_bias(attn) -> np.ndarray:
+    parts = [attn[name].get("bias") for name in ("q_proj", "k_proj", "v_proj")]
+    if all(b is None for b in parts):
+        return np.empty(0, np.float32)
+    rows = [attn[name].weight.shape[0] for name in ("q_proj", "k_proj", "v_proj")]
+    out = [np.zeros(n, np.float32) if b is None else np.asarray(b.astype(mx.float32)) for b, n in zip(parts, rows)]
+    return np.concatenate(out).astype(np.float32)
 
 
 def _weights(m) -> tuple:
@@ -110,12 +122,12 @@ class FusedDecoder:
                 weights,
                 np.array([pw.bits for pw in pws], np.int64),
                 _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
-                np.float32(layer["input_layernorm"].eps)))
+                np.float32(layer["input_layernorm"].eps), _qkv_bias(layer["self_attn"])))
             if layer["post_attention_layernorm"].eps != layer["input_layernorm"].eps:
                 raise ValueError("fused decode: the two norms of a layer use different eps")
         attn = inner.layers[0]["self_attn"]
         self.group_size = int(pws[0].group_size)
-        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attention_head_dim(attn)
         self.scale = np.float32(attn.scale)
         self.traditional = bool(attn.rope.traditional)
         self.inv_freq = rope_frequencies(attn.rope, self.head_dim)  # (fused_unsupported checked it)
@@ -158,6 +170,10 @@ class FusedDecoder:
         self._mlp_norms = np.stack([layer.mlp_norm for layer in layers])
         self._bits = np.stack([layer.bits for layer in layers])
         self._eps = layers[0].eps
+        widths = {layer.qkv_bias.shape[0] for layer in layers}
+        if len(widths) != 1:
+            raise ValueError("fused decode: some layers' q/k/v projections have biases and some not")
+        self._qkv_bias = np.stack([layer.qkv_bias for layer in layers])
         n, kd = len(layers), self._k.shape[0]
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
@@ -372,7 +388,7 @@ class FusedDecoder:
                          self.fast_mask, write, _kv_like(caches),
                          self.chunks or CHUNKS_PER_THREAD * pool().threads, self._q_addr, self._q_size,
                          self._q_stride, n_quant, q_bits, q_group, self._cos_q, self._sin_q, scales_like,
-                         self._q_out)
+                         self._q_out, self._qkv_bias)
         k_new = v_new = None
         for i, c in enumerate(caches):
             if write[i]:
@@ -485,7 +501,7 @@ class FusedDecoder:
                          np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, q_keep, self._q_addr, self._q_size, self._q_stride, n_quant, q_bits,
-                         q_group, cos_u, sin_u, scales_like, self.prefill_block)
+                         q_group, cos_u, sin_u, scales_like, self._qkv_bias, self.prefill_block)
         del k_out, v_out
         if n_keep:
             roped = rope_rows(q_keep.reshape(L, n_keep, self.n_heads, D), cos[T - n_keep:], sin[T - n_keep:],

@@ -10,11 +10,19 @@ import numpy as np
 
 from .fused_settings import KV_HOST
 
-# model types whose layers compute Llama's block (RMSNorm, RoPE, GQA attention, SwiGLU MLP)
-FUSED_MODEL_TYPES = ("llama", "mistral")
+# model types whose code around the layers' modules computes Llama's block (RMSNorm, RoPE, GQA
+# attention, SwiGLU MLP, no scaling multipliers: mlx-lm's granite and minicpm hold the same
+# modules but scale the embedding, the residuals and the logits in their code, which no module
+# shows); qwen2 adds biases to the q, k and v projections, which the kernels add
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
-
+BIASED = ("q_proj", "k_proj", "v_proj")  # the projections whose biases the kernels add
+# a decoder layer's modules, its attention's and its MLP's, exactly: any other (Qwen3's q/k norms,
+# Gemma's extra norms) computes something the kernels do not
+LAYER_MODULES = {"": {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"},
+                 "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj", "rope"},
+                 "mlp": {"gate_proj", "up_proj", "down_proj"}}
 
 
 def inner_model(model: nn.Module):
@@ -52,12 +60,19 @@ def rope_frequencies(rope, head_dim: int | None) -> np.ndarray | str:
         np.float32(rope.base), -np.arange(0, dims, 2, dtype=np.float32) / np.float32(dims))).astype(np.float32)
 
 
+def attention_head_dim(attn) -> int | None:
+    """The width of one attention head: the module's ``head_dim`` where it keeps one (Llama),
+    else q_proj's output rows over its heads (mlx-lm's Qwen2 keeps neither)."""
+    d = getattr(attn, "head_dim", None)
+    if d:
+        return int(d)
+    q, heads = attn.get("q_proj") if isinstance(attn, nn.Module) else None, getattr(attn, "n_heads", 0)
+    return int(q.weight.shape[0]) // heads if q is not None and heads else None
+
+
 def fused_unsupported(model: nn.Module) -> str | None:
     """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
     args = getattr(model, "args", None)
-    mtype = getattr(args, "model_type", None)
-    if mtype not in FUSED_MODEL_TYPES:
-        return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
     inner = inner_model(model)
     layers = getattr(inner, "layers", None)
     if not layers:
@@ -66,8 +81,13 @@ def fused_unsupported(model: nn.Module) -> str | None:
     for layer in layers:
         if getattr(layer, "use_sliding", False):
             return "sliding-window layers"
+        for part, names in LAYER_MODULES.items():
+            module = layer.get(part) if part else layer
+            extra = sorted(set(module.children()) - names) if isinstance(module, nn.Module) else ["?"]
+            if extra:
+                return f"{'layer' if not part else part} modules {', '.join(extra)} (fused: Llama's block)"
         attn = layer.get("self_attn")
-        freqs = rope_frequencies(getattr(attn, "rope", None), getattr(attn, "head_dim", None))
+        freqs = rope_frequencies(getattr(attn, "rope", None), attention_head_dim(attn))
         if isinstance(freqs, str):
             return freqs
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -75,7 +95,7 @@ def fused_unsupported(model: nn.Module) -> str | None:
                 return f"{norm} is not RMSNorm"
         for parent, name in PROJECTIONS:
             proj = layer[parent].get(name)
-            if proj is None or "bias" in proj:
+            if proj is None or ("bias" in proj and name not in BIASED):
                 return f"{name} missing or with a bias"
             why = _quantised(proj)
             if why:
@@ -83,6 +103,9 @@ def fused_unsupported(model: nn.Module) -> str | None:
             groups.add(proj.group_size)
     if len(groups) != 1:
         return "projections with different group sizes"
+    mtype = getattr(args, "model_type", None)
+    if mtype not in FUSED_MODEL_TYPES:  # Llama's modules, but maybe not its code around them
+        return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
     if type(inner.get("norm")) is not nn.RMSNorm:
         return "final norm is not RMSNorm"
     embed = inner.get("embed_tokens")

@@ -10,7 +10,8 @@ of MLX's arrays. Modules:
 
 numba compiles for the machine it runs on (LLVM's host CPU detection), so the same source
 becomes AVX-512, AVX2 or NEON code as the CPU allows; nothing assumes a feature. Compiled code is
-cached on disk (``cache=True``): the first start on a machine compiles (seconds), later ones load.
+cached on disk (``cache=True``, in a folder named for this source: cache_dir.py): the first start
+on a machine compiles (seconds), later ones load.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass, field
+
+from .cache_dir import use_kernel_cache_dir
+
+use_kernel_cache_dir()  # before any kernel module defines a cached function (cache_dir.py: why)
 
 
 @dataclass

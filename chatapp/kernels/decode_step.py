@@ -43,7 +43,7 @@ from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
 from .llvm import atomic_add
 from .microkernels import A_ROWS
-from .quant_split import attend_quant_split, prepare_quant_queries
+from .quant_split import QTILE, attend_quant_split
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
@@ -222,7 +222,7 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                scale, q, k_new, v_new, k_out, part, act, fast, write_kv, chunks,
-               quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out):  # pragma: no cover - jitted
+               quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out, qkv_bias):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -244,7 +244,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     groups of ``q_group`` (quant_split.py); the k_cache rows are then the sinks and the recent
     window, and cos_q/sin_q the angles of the middle's position (the token's plus the cache's
     rotation delta). ``n_quant`` 0: no middle (prealloc, window, scored). q_out [heads * D]
-    receives the roped queries (the scored caches' votes, the sparsity figure)."""
+    receives the roped queries (the scored caches' votes, the sparsity figure). qkv_bias
+    [nq + nk + nv] float32: the q, k and v projections' biases (Qwen2), or [0]: none."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -288,6 +289,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             if s0 < s1:
                 _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
                          False, f_qkv, xq, narrow)
+                if qkv_bias.shape[0]:
+                    for r in range(s0, s1):
+                        dst[r - off] += qkv_bias[r]
         phase_done(ctl, 0)
     phase_barrier(ctl, 0, n1)
 
@@ -307,8 +311,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     o = np.empty(G4 * D, np.float32)
     qg = np.empty(G * D, np.float32)
     kr = np.empty(D, np.float32)
-    qq = np.empty(G * D, np.float32)
-    qsum = np.empty(G * D, np.float32)
+    kt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
+    vt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
     q_base = np.empty(6, np.int64)
     while True:
         u = phase_claim(ctl, 1, n_units)
@@ -321,12 +325,11 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                 for e in range(D):
                     qg[g * D + e] = q[h * D + e]
                 apply_rope(qg[g * D:(g + 1) * D], cos_q, sin_q, traditional)
-            prepare_quant_queries(qg, G, D, q_bits, q_group, qq, qsum)
             for i in range(6):
                 q_base[i] = kh * q_stride[i]
             a = (sp - S) * per_q
-            attend_quant_split(qq, qsum, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
-                               scale, s, L, o, part, u * G * (D + SLOT))
+            attend_quant_split(qg, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
+                               scale, s, L, o, part, u * G * (D + SLOT), kt, vt)
             phase_done(ctl, 1)
             continue
         for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)
@@ -413,7 +416,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like,
                chunks, q_addr, q_size, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, scales_like,
-               q_out):  # pragma: no cover - jitted
+               q_out, qkv_bias):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -429,7 +432,8 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     layer (n_quant rows; 0: none): q_addr/q_size/q_stride [L, 6] its six buffers' addresses,
     element counts and head strides (packed bytes as uint8, scales and biases with
     ``scales_like``'s element type), cos_q/sin_q [L, D/2] its queries' angles; q_out [L, heads * D]
-    receives each layer's roped queries (see layer_step)."""
+    receives each layer's roped queries (see layer_step); qkv_bias [L, nq + nk + nv] (or [L, 0])
+    each layer's q, k and v biases."""
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
@@ -444,7 +448,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    v_cache, kv_stride[layer],
                    n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
                    write_kv[layer], chunks, quant, q_stride[layer], n_quant, q_bits, q_group, cos_q[layer],
-                   sin_q[layer], q_out[layer])
+                   sin_q[layer], q_out[layer], qkv_bias[layer])
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

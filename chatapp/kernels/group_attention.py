@@ -67,27 +67,27 @@ def pv_shape(G, D):  # pragma: no cover - jitted
 
 
 @njit(nogil=True, cache=True)
-def _pv(rows, width, s, s_off, L, v, v_off, D, o, o_off, n):  # pragma: no cover - jitted
+def _pv(rows, width, s, s_off, L, v, v_off, D, o, o_off, n, acc=0):  # pragma: no cover - jitted
     """o[i, 0:width] = sum_r s[s_off + i * L + r] * v[v_off + r * D, 0:width] for i < rows
-    (o rows D apart): the outerRxW kernel of that shape."""
+    (o rows D apart; ``acc`` 1: added to o): the outerRxW kernel of that shape."""
     if rows == 1:
         if width == 128:
-            outer1x128(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer1x128(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
         elif width == 64:
-            outer1x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer1x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
         else:
-            outer1x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer1x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
     elif rows == 2:
         if width == 128:
-            outer2x128(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer2x128(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
         elif width == 64:
-            outer2x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer2x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
         else:
-            outer2x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+            outer2x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
     elif width == 64 or width == 128:  # 4 rows: 64 lanes (16 accumulators) at most
-        outer4x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+        outer4x64(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
     else:
-        outer4x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, 0)
+        outer4x32(s, s_off, L, 1, v, v_off, D, o, o_off, D, n, acc)
 
 
 @njit(fastmath=True, nogil=True, cache=True)

@@ -221,7 +221,7 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                   scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, quant, q_stride, n_quant, q_bits,
-                  q_group, cos_u, sin_u, fast=0, act_block=0, last_only=False):  # pragma: no cover
+                  q_group, cos_u, sin_u, qkv_bias, fast=0, act_block=0, last_only=False):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
     its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
     for the last token only, as a chunk's last layer needs: its other rows reach nothing).
@@ -243,7 +243,8 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     chunk's last n queries before RoPE (a scored cache's votes; with ``last_only`` those rows'
     queries are computed too, and their o_proj and MLP). A quantised middle (n_quant of the
     n_cached rows, read in place; the cache buffers hold the others): quant, q_stride, q_bits,
-    q_group, cos_u and sin_u as chunk_attention takes them."""
+    q_group, cos_u and sin_u as chunk_attention takes them. qkv_bias [nq + nk + nv] (or [0]): the
+    q, k and v projections' biases, added to every token's row."""
     T, dim = x.shape
     n_keep = q_keep.shape[0]
     # the first row whose output past K and V is wanted
@@ -288,14 +289,18 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
             break
         xin, xqi = xp_d, xq
         if c < cq:
-            w, wb, dst, r0 = wq, bits[0], q[t1:], c * ROW_TILE
+            w, wb, dst, r0, b0 = wq, bits[0], q[t1:], c * ROW_TILE, 0
             xin, xqi = xp_q, xq_q
         elif c < cq + ck:
-            w, wb, dst, r0 = wk, bits[1], k_raw, (c - cq) * ROW_TILE
+            w, wb, dst, r0, b0 = wk, bits[1], k_raw, (c - cq) * ROW_TILE, nq
         else:
-            w, wb, dst, r0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE
+            w, wb, dst, r0, b0 = wv, bits[2], v_new, (c - cq - ck) * ROW_TILE, nq + nk
         n = min(ROW_TILE, w[0].shape[0] - r0)
         _tile_product(w, wb, group_size, r0, n, xin, dst, r0, no_add, tile_d, f_qkv, xqi, pan_d, unit)
+        if qkv_bias.shape[0]:
+            for t in range(dst.shape[0]):
+                for i in range(r0, r0 + n):
+                    dst[t, i] += qkv_bias[b0 + i]
         if c < cq:  # the claimer copies its columns of the kept rows (a thread that arrives late
             # must not: q may hold a later layer's queries by then)
             for r in range(n_keep):
@@ -363,7 +368,7 @@ LAYER_CTL = 2 * LINE * 5
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                  scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, q_addr, q_size, q_stride, n_quant,
-                 q_bits, q_group, cos_u, sin_u, scales_like, act_block=0):  # pragma: no cover
+                 q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, act_block=0):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
@@ -378,7 +383,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     all layers (prefill_layer's xbuf). q_keep [L, n, heads * D] float32: each layer's last n
     queries before RoPE (n = 0: none; ``rope_rows`` turns them). Each layer's quantised middle
     (n_quant of the n_cached rows; 0: none) as token_step takes it, with cos_u/sin_u [L, D/2]
-    the angles that turn its keys back by its rotation delta (chunk_attention)."""
+    the angles that turn its keys back by its rotation delta (chunk_attention); qkv_bias
+    [L, nq + nk + nv] (or [L, 0]) each layer's q, k and v biases."""
     xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
@@ -393,7 +399,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
                       act, xbuf, q_keep[layer], quant, q_stride[layer], n_quant, q_bits, q_group, cos_u[layer],
-                      sin_u[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
+                      sin_u[layer], qkv_bias[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

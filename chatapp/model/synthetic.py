@@ -52,6 +52,17 @@ def build_random_llama(
     config = shape.config()
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
+    return randomize(model, config, None, dtype, quantize_bits, group_size, silent_tokens), config
+
+
+def randomize(model, config: dict, seed: int | None = 0, dtype: mx.Dtype = mx.float32,
+              quantize_bits: int | None = None, group_size: int = 64, silent_tokens: tuple[int, ...] = ()):
+    """``model`` (any mlx-lm architecture) with random weights as build_random_llama makes them:
+    norms one, embeddings N(0, 1), other weights and biases N(0, 1/fan_in); its linear layers
+    quantised when ``quantize_bits`` (recorded in ``config``). ``seed`` None: MLX's generator as
+    it stands (build_random_llama seeds it before building the model)."""
+    if seed is not None:
+        mx.random.seed(seed)
     params = []
     for name, p in _flat(model.parameters()):
         if name.endswith("norm.weight"):
@@ -75,7 +86,7 @@ def build_random_llama(
         config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
     mx.eval(model.parameters())
     model.eval()
-    return model, config
+    return model
 
 
 def _zero_rows(w: mx.array, rows: mx.array) -> mx.array:

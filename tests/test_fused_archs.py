@@ -1,0 +1,67 @@
+"""Which architectures the fused steps serve, decided from the layers' modules
+(backend/fused_support.fused_unsupported): Qwen2's q/k/v biases are added by the kernels, so a
+Qwen2 model runs fused with MLX's logits over every cache policy; a layer with modules Llama's
+block lacks (Qwen3's q/k norms) is refused, naming them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from mlx_lm.models import qwen2, qwen3  # noqa: E402
+
+from cache import CacheSettings, install_attention, make_caches  # noqa: E402
+from chatapp.backend.cpu import apply_fast_path  # noqa: E402
+from chatapp.backend.fused_decode import is_fused  # noqa: E402
+from chatapp.backend.fused_support import fused_unsupported  # noqa: E402
+from chatapp.backend.qlinear import last_position_only  # noqa: E402
+from chatapp.model.synthetic import randomize  # noqa: E402
+from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
+
+CONFIG = dict(hidden_size=128, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=256, max_position_embeddings=4096,
+              rope_theta=10000.0, tie_word_embeddings=False)
+
+
+def _qwen2(seed: int = 5):
+    config = {"model_type": "qwen2", **CONFIG}
+    m = randomize(qwen2.Model(qwen2.ModelArgs.from_dict(config)), config, seed, quantize_bits=4, group_size=32)
+    install_attention(m)
+    return m
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant", "scored"])
+def test_qwen2_runs_fused_with_mlx_logits(mode):
+    ref, fast = _qwen2(), _qwen2()
+    assert float(mx.abs(ref.model.layers[0].self_attn.k_proj.bias).max()) > 0  # biases that matter
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert fused_unsupported(fast) is None and is_fused(fast)
+    s = CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
+                      kv_group_size=32)
+    caches = [make_caches(m, s) for m in (ref, fast)]
+    rng = np.random.default_rng(1)
+    tol = 5e-3 if mode == "window-quant" else 2e-4
+
+    def close(a, b):
+        return float(np.abs(b - a).max()) <= tol * max(1.0, float(np.abs(a).max()))
+
+    for n in (37, 9):  # a prefill, then a second chunk over what the first left (evicted, quantised)
+        prompt = [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)]
+        outs = []
+        for m, c in zip((ref, fast), caches):
+            with last_position_only():
+                outs.append(np.array(m(mx.array([prompt]), cache=c)[0, -1]))
+        assert close(*outs)
+    for t in rng.integers(0, CONFIG["vocab_size"], 20):
+        a, b = (np.array(m(mx.array([[int(t)]]), cache=c)[0, -1]) for m, c in zip((ref, fast), caches))
+        assert close(a, b)
+
+
+def test_layers_with_other_modules_are_refused_naming_them():
+    config = {"model_type": "qwen3", "head_dim": 32, **CONFIG}
+    m = randomize(qwen3.Model(qwen3.ModelArgs.from_dict(config)), config, 1, quantize_bits=4, group_size=32)
+    why = fused_unsupported(m)
+    assert why is not None and "k_norm, q_norm" in why
