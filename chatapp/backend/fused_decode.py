@@ -46,6 +46,7 @@ from .fused_settings import (
     resolve_numerics,
 )
 from .fused_support import (
+    BIASED,
     PROJECTIONS,
     attention_head_dim,
     cache_refusal,
@@ -70,10 +71,10 @@ class _Layer:
 
 
 def _qkv_bias(attn) -> np.ndarray:
-    parts = [attn[name].get("bias") for name in ("q_proj", "k_proj", "v_proj")]
+    parts = [attn[name].get("bias") for name in BIASED]
     if all(b is None for b in parts):
         return np.empty(0, np.float32)
-    rows = [attn[name].weight.shape[0] for name in ("q_proj", "k_proj", "v_proj")]
+    rows = [attn[name].weight.shape[0] for name in BIASED]
     out = [np.zeros(n, np.float32) if b is None else np.asarray(b.astype(mx.float32)) for b, n in zip(parts, rows)]
     return np.concatenate(out).astype(np.float32)
 
