@@ -149,6 +149,7 @@ class FullBuffer(_TokenBuffer):
         self.values = _shift_left(self.values, start, n, self.length)
         self.length -= n
         self._held_view = None
+        self.shared = 0  # MLX's slice update copied the buffers a view held, or no view was alive
 
     def rotate(self, start: int, delta: int, repos: Repositioner) -> None:
         """Re-position keys [start, length) by ``delta`` positions."""
@@ -156,6 +157,7 @@ class FullBuffer(_TokenBuffer):
             self.pinned = None
             self.keys[:, :, start : self.length] = repos.shift(self.keys[:, :, start : self.length], delta)
             self._held_view = None
+            self.shared = 0
 
     def _arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
@@ -175,6 +177,9 @@ class QuantBuffer(_TokenBuffer):
         # what a native reader keeps for the current arrays (host views, addresses: the fused
         # decode step), dropped whenever the arrays change
         self.pinned: object | None = None
+        # how many leading rows of the current arrays may be held outside (views, state,
+        # snapshots, a lazy dequantisation): native maintenance never changes those (row_ops.py)
+        self.shared = 0
 
     @property
     def capacity(self) -> int:
@@ -198,6 +203,20 @@ class QuantBuffer(_TokenBuffer):
         self.values = self._write(self.values, qv, n)
         self.length += n
         self._held_view = None
+        self.shared = 0  # MLX's slice update: new arrays, or the old ones where no view held them
+
+    def grow(self, n: int) -> None:
+        """Room for ``n`` more rows, writing none (native maintenance then writes them in place);
+        the arrays grow by half their capacity at least, so growth stays rare."""
+        needed = self.length + n
+        if needed <= self.capacity:
+            return
+        self.pinned = None
+        target = max(needed, self.capacity + self.capacity // 2)
+        self.keys = [_grown(b, target, self.step, b) for b in self.keys]
+        self.values = [_grown(b, target, self.step, b) for b in self.values]
+        self._held_view = None
+        self.shared = 0
 
     def _write(self, bufs: list[mx.array] | None, parts: tuple, n: int) -> list[mx.array]:
         bufs = [None] * 3 if bufs is None else bufs
@@ -213,6 +232,7 @@ class QuantBuffer(_TokenBuffer):
         if self._held_view is None:
             L = self.length
             self._held_view = (tuple(b[:, :, :L] for b in self.keys), tuple(b[:, :, :L] for b in self.values))
+            self.shared = max(self.shared, L)
         return self._held_view
 
     def hold(self, keys: list[mx.array] | None, values: list[mx.array] | None, length: int) -> None:
@@ -221,9 +241,11 @@ class QuantBuffer(_TokenBuffer):
         self.keys, self.values, self.length = keys, values, length
         self._held_view = None
         self.pinned = None
+        self.shared = length  # arrays made elsewhere: whoever made them may hold them
 
     def dequantized(self, start: int = 0, end: int | None = None) -> tuple[mx.array, mx.array]:
         end = self.length if end is None else end
+        self.shared = max(self.shared, end)
         k, v = ([b[:, :, start:end] for b in bufs] for bufs in (self.keys, self.values))
         return (
             mx.dequantize(*k, group_size=self.group_size, bits=self.bits),
@@ -244,6 +266,7 @@ class QuantBuffer(_TokenBuffer):
         self.keys, self.values, self.length = list(arrays[:3]), list(arrays[3:6]), arrays[0].shape[2]
         self._held_view = None
         self.pinned = None
+        self.shared = self.length  # the state's own arrays: a snapshot holds them
 
     def remove_front(self, n: int) -> None:
         self.pinned = None
@@ -251,6 +274,7 @@ class QuantBuffer(_TokenBuffer):
         self.values = [_shift_left(b, 0, n, self.length) for b in self.values]
         self.length -= n
         self._held_view = None
+        self.shared = 0
 
     def _arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [*self.keys, *self.values]

@@ -22,6 +22,7 @@ from .attention import attend_full, attend_mixed, prefill_kernel
 from .buffers import FullBuffer
 from .quant_channel import quant_buffer
 from .rope import Repositioner
+from .row_ops import RowOps
 from .settings import CacheSettings
 from .sparsity import evictable_share, observer, record
 from .usage import CacheUsage
@@ -205,6 +206,9 @@ class SegmentedKVCache(_CacheBase):
         self.full = FullBuffer(settings.chunk_size, geometric=self._plain)
         self.quant = quant_buffer(settings) if quantize else None
         self.repos = repositioner
+        # in-place maintenance on the buffers' host views, installed by a native decode step
+        # (row_ops.py); None, or where it declines: through MLX
+        self.native: RowOps | None = None
         self.delta_q = 0
         self.evicted = 0
         # Tokens each policy evicted / quantised so far, by mode name (a conversion carries them
@@ -459,24 +463,28 @@ class SegmentedKVCache(_CacheBase):
         if n <= 0:
             return
         s = self.sinks if self.full.length > self.sinks else 0
-        k, v = self.full.view(s, s + n)
-        if self.delta_q:
-            k = self.repos.shift(k, self.delta_q)
-        self.quant.append(k, v)
-        self.full.remove(s, n)
+        if self.native is None or not self.native.flush(self.full, self.quant, s, n, self.delta_q):
+            k, v = self.full.view(s, s + n)
+            if self.delta_q:
+                k = self.repos.shift(k, self.delta_q)
+            self.quant.append(k, v)
+            self.full.remove(s, n)
         tally(self.quantised_by, self.mode, n)
 
     def _evict(self, n: int) -> None:
         """Drop the ``n`` oldest non-sink tokens and move what follows back by ``n`` positions."""
         from_quant = self.quant.front_cut(min(n, self._quant_len())) if self._quant_len() else 0
         n = max(n, from_quant)
+        native = self.native
         if from_quant:
-            self.quant.remove_front(from_quant)
+            if native is None or not native.remove_front(self.quant, from_quant):
+                self.quant.remove_front(from_quant)
             self.delta_q = self.delta_q + from_quant if self.quant.length else 0
         from_recent = n - from_quant
-        if from_recent:
+        if from_recent and (native is None or not native.remove(self.full, self.sinks, from_recent)):
             self.full.remove(self.sinks, from_recent)
-        self.full.rotate(self.sinks, -n, self.repos)
+        if native is None or not native.rotate(self.full, self.sinks, -n):
+            self.full.rotate(self.sinks, -n, self.repos)
         self.evicted += n
         tally(self.evicted_by, self.mode, n)
 

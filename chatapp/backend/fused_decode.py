@@ -54,6 +54,7 @@ from .fused_support import (
     inner_model,
     rope_frequencies,
 )
+from .kv_native import NativeRowOps
 from .qlinear import last_position_wanted
 
 
@@ -132,6 +133,8 @@ class FusedDecoder:
         self.scale = np.float32(attn.scale)
         self.traditional = bool(attn.rope.traditional)
         self.inv_freq = rope_frequencies(attn.rope, self.head_dim)  # (fused_unsupported checked it)
+        # the caches' flushes and evictions, in place on the host views this decoder keeps
+        self.row_ops = NativeRowOps(self.inv_freq, self.traditional)
         self.final_norm, self.final_eps = _norm(inner["norm"]), np.float32(inner["norm"].eps)
         embed = inner["embed_tokens"]
         self.embed = embed
@@ -297,6 +300,7 @@ class FusedDecoder:
         for c in caches:
             if c.full.keys is None:
                 c.full.dtype = dtype
+            c.native = self.row_ops
 
     def _cache_buffers(self, caches: list, n_new: int) -> int:
         """Room for ``n_new`` more rows in every layer's buffers, and their addresses, sizes and

@@ -315,10 +315,16 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     vt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
     q_base = np.empty(6, np.int64)
     while True:
-        u = phase_claim(ctl, 1, n_units)
-        if u < 0:
+        c = phase_claim(ctl, 1, n_units)
+        if c < 0:
             break
-        kh, sp = u // ST, u % ST
+        # the quantised middle's units first: they are the larger ones (more rows, each dearer),
+        # and the threads' last claims should be the small full-precision units
+        if c < n_kv_heads * Sq:
+            kh, sp = c // Sq, S + c % Sq
+        else:
+            kh, sp = (c - n_kv_heads * Sq) // S, (c - n_kv_heads * Sq) % S
+        u = kh * ST + sp
         if sp >= S:  # a split of the quantised middle, with the queries at its position
             for g in range(G):
                 h = kh * G + g
