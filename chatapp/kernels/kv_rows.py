@@ -36,12 +36,29 @@ def _group_range(x, a, b):  # pragma: no cover - jitted
 
 
 @njit(nogil=True, cache=True)
-def _quantize_row(x, D, bits, group, packed, p0, scales, biases, s0):  # pragma: no cover - jitted
+def _levels(x, out, bias, scale, n_bins):  # pragma: no cover - jitted
+    """out[j] = clamp(rint((x[j] - bias) / scale), 0, n_bins) as bytes. x and out come in as
+    slices (distinct arrays to LLVM), so the loop vectorises; indexing into the whole row and
+    the whole output at offsets kept it scalar (3x slower)."""
+    zero = np.float32(0.0)
+    for j in range(x.shape[0]):
+        q = np.float32(np.rint((x[j] - bias) / scale))
+        out[j] = np.uint8(min(max(q, zero), n_bins))
+
+
+@njit(nogil=True, cache=True)
+def _nibbles(q, out):  # pragma: no cover - jitted
+    for j in range(out.shape[0]):
+        out[j] = q[2 * j] | (q[2 * j + 1] << 4)
+
+
+@njit(nogil=True, cache=True)
+def _quantize_row(x, D, bits, group, packed, p0, scales, biases, s0, q4):  # pragma: no cover - jitted
     """One row x [D] float32 into packed[p0:p0 + D * bits / 8] and the groups' scales and
-    biases from s0 (float32, or uint16 float16 bits rounded to nearest even as MLX's cast)."""
+    biases from s0 (float32, or uint16 float16 bits rounded to nearest even as MLX's cast);
+    q4 [group] is scratch for 4-bit levels."""
     n_bins = np.float32((1 << bits) - 1)
     eps = np.float32(1e-7)
-    zero = np.float32(0.0)
     for g in range(D // group):
         a = g * group
         w_min, w_max = _group_range(x, a, a + group)
@@ -51,7 +68,7 @@ def _quantize_row(x, D, bits, group, packed, p0, scales, biases, s0):  # pragma:
             scale = -scale
         edge = w_min if mask else w_max
         q0 = np.float32(np.rint(edge / scale))
-        bias = zero
+        bias = np.float32(0.0)
         if q0 != 0:
             scale = edge / q0
             bias = edge
@@ -59,16 +76,10 @@ def _quantize_row(x, D, bits, group, packed, p0, scales, biases, s0):  # pragma:
         store_f32(biases, s0 + g, bias)
         out = p0 + a * bits // 8
         if bits == 8:
-            for j in range(group):
-                q = np.float32(np.rint((x[a + j] - bias) / scale))
-                packed[out + j] = np.uint8(min(max(q, zero), n_bins))
+            _levels(x[a:a + group], packed[out:out + group], bias, scale, n_bins)
         else:
-            for j in range(0, group, 2):
-                q = np.float32(np.rint((x[a + j] - bias) / scale))
-                lo_ = np.uint8(min(max(q, zero), n_bins))
-                q = np.float32(np.rint((x[a + j + 1] - bias) / scale))
-                hi_ = np.uint8(min(max(q, zero), n_bins))
-                packed[out + j // 2] = lo_ | (hi_ << 4)
+            _levels(x[a:a + group], q4, bias, scale, n_bins)
+            _nibbles(q4, packed[out:out + group // 2])
 
 
 @njit(nogil=True, cache=True)
@@ -76,9 +87,10 @@ def quantize_rows(x, n, D, bits, group, packed, scales, biases):  # pragma: no c
     """n rows of D float32 values x [n * D] quantised as ``mx.quantize(rows, group, bits)``:
     packed [n * D * bits / 8] bytes (4 bits: value 2j in the low nibble of byte j), scales and
     biases [n * D / group] (float32, or uint16 float16 bits)."""
+    q4 = np.empty(group, np.uint8)
     for r in range(n):
         _quantize_row(x[r * D:(r + 1) * D], D, bits, group, packed, r * D * bits // 8, scales, biases,
-                      r * (D // group))
+                      r * (D // group), q4)
 
 
 @njit(nogil=True, cache=True)
@@ -93,9 +105,16 @@ def _rope(x, D, cos, sin, traditional):  # pragma: no cover - jitted
 
 
 @njit(nogil=True, cache=True)
-def _load_row(buf, base, D, x):  # pragma: no cover - jitted
-    for e in range(D):
-        x[e] = as_f32(buf[base + e])
+def _load(src, x):  # pragma: no cover - jitted
+    """x[:] = src as float32 (src a slice: float32, or uint16 float16 bits)."""
+    for e in range(x.shape[0]):
+        x[e] = as_f32(src[e])
+
+
+@njit(nogil=True, cache=True)
+def _store(x, dst):  # pragma: no cover - jitted
+    for e in range(x.shape[0]):
+        store_f32(dst, e, x[e])
 
 
 @njit(nogil=True, cache=True)
@@ -108,17 +127,28 @@ def flush_rows(src, H, src_stride, start, n, D, turn, cos, sin, traditional, pac
     route's Repositioner.shift leaves it before ``mx.quantize``."""
     x = np.empty(D, np.float32)
     rounded = np.empty(D, src.dtype)
+    q4 = np.empty(group, np.uint8)
     P, ng = D * bits // 8, D // group
     for h in range(H):
         for r in range(n):
-            _load_row(src, h * src_stride + (start + r) * D, D, x)
+            b0 = h * src_stride + (start + r) * D
+            _load(src[b0:b0 + D], x)
             if turn:
                 _rope(x, D, cos, sin, traditional)
-                for e in range(D):
-                    store_f32(rounded, e, x[e])
-                _load_row(rounded, 0, D, x)
+                _store(x, rounded)
+                _load(rounded, x)
             _quantize_row(x, D, bits, group, packed, h * p_stride + (row + r) * P, scales, biases,
-                          h * s_stride + (row + r) * ng)
+                          h * s_stride + (row + r) * ng, q4)
+
+
+@njit(nogil=True, cache=True)
+def _turn_halves(x1, x2, cos, sin):  # pragma: no cover - jitted
+    """(x1, x2) <- (x1 cos - x2 sin, x1 sin + x2 cos) in place (float32 or float16 bits): the
+    halves come in as slices, so the loop vectorises."""
+    for i in range(x1.shape[0]):
+        a, b = as_f32(x1[i]), as_f32(x2[i])
+        store_f32(x1, i, a * cos[i] - b * sin[i])
+        store_f32(x2, i, a * sin[i] + b * cos[i])
 
 
 @njit(nogil=True, cache=True)
@@ -126,13 +156,16 @@ def rotate_rows(buf, H, stride, start, end, D, cos, sin, traditional):  # pragma
     """Rotate rows start .. end - 1 of each head of a flat [H, capacity, D] buffer (float32 or
     float16 bits) in place by cos/sin, in float32."""
     x = np.empty(D, np.float32)
+    half = D // 2
     for h in range(H):
         for r in range(start, end):
             base = h * stride + r * D
-            _load_row(buf, base, D, x)
-            _rope(x, D, cos, sin, traditional)
-            for e in range(D):
-                store_f32(buf, base + e, x[e])
+            if traditional:
+                _load(buf[base:base + D], x)
+                _rope(x, D, cos, sin, traditional)
+                _store(x, buf[base:base + D])
+            else:
+                _turn_halves(buf[base:base + half], buf[base + half:base + D], cos, sin)
 
 
 @njit(nogil=True, cache=True)
