@@ -13,6 +13,7 @@ tokens still sees them at the positions it computed them with.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -119,6 +120,10 @@ class ConcatKVCache(_CacheBase):
 
     def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
         return self.keys, self.values
+
+    def buffers(self) -> list[mx.array]:
+        """The held arrays (SegmentedKVCache.buffers)."""
+        return [a for a in (self.keys, self.values) if a is not None]
 
     def trim(self, n: int) -> int:
         n = min(self.offset, n)
@@ -291,6 +296,28 @@ class SegmentedKVCache(_CacheBase):
         self.full.wrote_in_place(n)
         if not self._plain:
             self._arrived(n)
+
+    @contextmanager
+    def borrowed(self):
+        """For a reader that evaluates what it takes from the cache before the block ends (the
+        attention share, sparsity.py): the views it took are not counted as handed out, so the
+        next maintenance may still run in place (row_ops.py)."""
+        full_shared, quant_shared = self.full.shared, getattr(self.quant, "shared", 0)
+        try:
+            yield self
+        finally:
+            self.full.shared, self.full._held_view = full_shared, None
+            if self.quant is not None and hasattr(self.quant, "shared"):
+                self.quant.shared, self.quant._held_view = quant_shared, None
+
+    def buffers(self) -> list[mx.array]:
+        """The arrays the cache writes into, as they are: evaluating them runs the writes MLX has
+        pending, handing out no view (``state`` hands out views of the held rows, which in-place
+        maintenance must then leave alone, row_ops.py)."""
+        parts = [self.full.keys, self.full.values]
+        if self.quant is not None:
+            parts += [*(self.quant.keys or []), *(self.quant.values or [])]
+        return [a for a in parts if a is not None]
 
     def settle(self) -> None:
         """Run the maintenance that is due (quantise a chunk, evict): a native step reads the

@@ -76,8 +76,10 @@ def evictable_share(cache, seen: deque) -> float | None:
         ends.append(i + 1)
     if not queries:
         return None
-    keys, _ = cache.content()
-    mask = mx.arange(held)[None] < mx.array(ends)[:, None]
-    mass = attention_mass(mx.concatenate(queries, axis=2), keys, scale, mask).sum(axis=0)
-    total = mass.sum().item()
-    return mass[start:end].sum().item() / total if total > 0 else None
+    with cache.borrowed():  # every view taken here is evaluated and dropped inside the block
+        keys, _ = cache.content()
+        mask = mx.arange(held)[None] < mx.array(ends)[:, None]
+        mass = attention_mass(mx.concatenate(queries, axis=2), keys, scale, mask).sum(axis=0)
+        total, part = mass.sum().item(), mass[start:end].sum().item()
+        del keys, mass
+    return part / total if total > 0 else None

@@ -394,7 +394,7 @@ class FusedDecoder:
                          self.chunks or CHUNKS_PER_THREAD * pool().threads, self._q_addr, self._q_size,
                          self._q_stride, n_quant, q_bits, q_group, self._cos_q, self._sin_q, scales_like,
                          self._q_out, self._qkv_bias)
-        k_new = v_new = None
+        k_new = v_new = queries = None
         for i, c in enumerate(caches):
             if write[i]:
                 c.wrote_in_place(1)
@@ -404,7 +404,9 @@ class FusedDecoder:
                     k_new, v_new = mx.array(self._k_all), mx.array(self._v_all)
                 c.absorb(k_new[i].reshape(1, KVH, 1, D), v_new[i].reshape(1, KVH, 1, D))
             if c.keeps_queries:
-                c.keep_queries(self._q_out[i].reshape(self.n_heads, D).copy(), float(self.scale))
+                if queries is None:  # one copy a step (the scratch is overwritten by the next)
+                    queries = self._q_out.reshape(len(caches), self.n_heads, D).copy()
+                c.keep_queries(queries[i], float(self.scale))
         return self._head(x)
 
     def _quant_buffers(self, caches: list) -> tuple[int, int, int, np.ndarray]:

@@ -442,7 +442,9 @@ class Session:
             done += len(chunk)
             self.cached.extend(chunk)
             if done < len(tokens):
-                mx.eval([c.state for c in self.caches])
+                # the chunk's pending writes; our caches' buffers as they are (their ``state``
+                # would hand out views, keeping the next flush off the in-place route)
+                mx.eval([c.buffers() if is_ours(c) else c.state for c in self.caches])
                 if self.gauges:
                     stats.cache = self.cache_view(scan_messages=False)
                     self._read_memory(stats)
