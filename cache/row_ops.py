@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from .buffers import FullBuffer
 
 
@@ -30,3 +32,12 @@ class RowOps(Protocol):
 
     def remove_front(self, quant, n: int) -> bool:
         """Remove the first ``n`` rows of ``quant``, moving the rows after them back."""
+
+    def votes(self, full: FullBuffer, quant, sinks: int, queries: np.ndarray, scale: float) -> np.ndarray | None:
+        """The scored caches' votes: attention mass per KV head and held token ([kv_heads, held])
+        of ``queries`` [heads, L, D], the last L held tokens' (sparsity.attention_mass); None
+        where it cannot read the keys."""
+
+    def select(self, quant, keep: np.ndarray, deltas: np.ndarray, first: int) -> bool:
+        """The scored caches' eviction from the quantised middle: keep rows ``keep`` (ascending),
+        keys from row ``first`` on moved by their own ``deltas`` positions and quantised again."""

@@ -206,6 +206,10 @@ class ScoredKVCache(SegmentedKVCache):
         held = self._held()
         if self._obs is None or not held or self._obs.shape[2] > held:
             return None
+        if self.native is not None:
+            mass = self.native.votes(self.full, self.quant, self.sinks, np.array(self._obs[0]), self._scale)
+            if mass is not None:
+                return mx.array(mass)
         k, _ = self.full.view()
         if self._quant_len():  # scored never rotates its middle as a whole: no delta_q here
             qk, _ = self.quant.packed()
@@ -259,19 +263,16 @@ class ScoredKVCache(SegmentedKVCache):
             return
         held = self._held()
         self._update_scores()
-        mid = self.token_scores()[start:end].tolist()
+        mid = np.array(self.token_scores()[start:end])
         # Least mass first; ties (e.g. tokens absorbed by a conversion, all at zero) go to the
-        # oldest, so with no scores the policy is the window's. Once per chunk, in Python.
-        drop = set(sorted(range(len(mid)), key=lambda i: (mid[i], i))[:n])
-        self.last_dropped = sorted(start + i for i in drop)
-        keep, deltas, gone = [], [], 0
-        for i in range(held):
-            if i - start in drop:
-                gone += 1
-            else:
-                keep.append(i)
-                deltas.append(-gone)
-        idx, deltas = mx.array(keep, mx.int32), mx.array(deltas, mx.int32)
+        # oldest, so with no scores the policy is the window's.
+        dropped = start + np.sort(np.lexsort((np.arange(len(mid)), mid))[:n])
+        self.last_dropped = dropped.tolist()
+        kept = np.ones(held, bool)
+        kept[dropped] = False
+        keep = np.flatnonzero(kept)
+        gone = np.cumsum(~kept)[keep]  # evicted before each kept token: how far it moves back
+        idx, deltas = mx.array(keep.astype(np.int32)), mx.array(-gone.astype(np.int32))
         if self.quant is None:
             k, v = self.full.view()
             k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
@@ -280,7 +281,7 @@ class ScoredKVCache(SegmentedKVCache):
             self.full.append(k, v)
         else:
             self._evict_quantised(idx, deltas, start)
-        self._fit_scores(self.full.view()[0].shape[1])
+        self._fit_scores(self.full.keys.shape[1])
         self.scores = self.scores[:, idx]
         if self._obs is not None:  # the voters sit in the recent window, which moved back by n
             self._obs = self.repos.shift(self._obs, -n)
@@ -297,6 +298,13 @@ class ScoredKVCache(SegmentedKVCache):
         q, s = self.quant, start
         nq = q.length
         first = self.last_dropped[0] - s  # middle index of the first evicted token
+        keep_all, deltas_all = np.array(idx), np.array(deltas)
+        in_mid = (keep_all >= s) & (keep_all < s + nq)
+        if self.native is not None and self.native.select(q, keep_all[in_mid] - s, deltas_all[in_mid], first):
+            if self.native.rotate(self.full, self.sinks, -(nq - q.length)):
+                return
+            self.full.rotate(self.sinks, -(nq - q.length), self.repos)
+            return
         pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
         keep = [i for i, _ in pairs]
         if q.kind != "quant":  # per-channel keys: the buffer re-groups what moved

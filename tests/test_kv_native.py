@@ -65,7 +65,12 @@ def _settings(mode: str, bits: int = 8) -> CacheSettings:
                          kv_bits=bits, kv_group_size=32)
 
 
-@pytest.mark.parametrize("mode,bits", [("window-quant", 8), ("window-quant", 4), ("window", 8)])
+IN_PLACE = {"window-quant": {"flush", "remove_front", "rotate"}, "window": {"remove", "rotate"},
+            "scored-quant": {"flush", "votes", "select", "rotate"}, "scored": {"votes"}}
+
+
+@pytest.mark.parametrize("mode,bits", [("window-quant", 8), ("window-quant", 4), ("window", 8), ("scored-quant", 8),
+                                       ("scored-quant", 4), ("scored", 8)])
 def test_maintenance_runs_in_place_and_leaves_what_mlx_leaves(mode, bits):
     """Past several flushes and evictions, every operation ran on the host views (none declined),
     the buffers kept their arrays between growths, and the caches hold what MLX's route holds."""
@@ -79,11 +84,11 @@ def test_maintenance_runs_in_place_and_leaves_what_mlx_leaves(mode, bits):
         outs = [r.step(int(t)) for r in runs]
         assert _close(outs[1], outs[0], 5e-3 if bits == 8 else 3e-2)
     assert runs[1].caches[0].evicted > 16
-    done = set(ops.done)
-    assert {"remove", "rotate"} <= done if mode == "window" else {"flush", "remove_front", "rotate"} <= done
+    assert IN_PLACE[mode] <= set(ops.done)
     assert not ops.declined
+    assert [c.evicted for c in runs[0].caches] == [c.evicted for c in runs[1].caches]
     (k0, v0), (k1, v1) = (_content(r.caches) for r in runs)
-    step = 2.0 / (2 ** bits - 1) if mode != "window" else 0.0
+    step = 2.0 / (2 ** bits - 1) if "quant" in mode else 0.0
     assert _close(k1, k0, step + 1e-4) and _close(v1, v0, step + 1e-4)
 
 

@@ -125,3 +125,79 @@ class NativeRowOps:
         quant.length -= n
         quant._held_view = None
         return self._count("remove_front", True)
+
+    # ---- the scored caches (cache/scored.py) ---------------------------------------------
+    def keys(self, full, quant, sinks: int) -> np.ndarray | None:
+        """Every held key [heads, held, D] float32 in sequence order (sinks | middle | recent),
+        the middle dequantised as stored (the scored caches keep no rotation delta); None where
+        there are no host views or the middle is not per-token."""
+        from chatapp.kernels.quant_split import dequant_rows
+
+        if full.pinned is None or full.keys.dtype not in _HOST_DTYPES:
+            return None
+        n_mid = quant.length if quant is not None else 0
+        if n_mid and quant.kind != "quant":
+            return None
+        kf = full.pinned[0][0]
+        H, _, D = kf.shape
+        s = min(sinks, full.length)
+        out = np.empty((H, full.length + n_mid, D), np.float32)
+        out[:, :s] = kf[:, :s]
+        out[:, s + n_mid:] = kf[:, s:full.length]
+        if n_mid:
+            (p, ps), (sc, ss), (bi, _) = (_flat(a) for a in quant.keys)
+            mid = np.empty(n_mid * D, np.float32)
+            for h in range(H):
+                dequant_rows(p, sc, bi, h * ps, h * ss, 0, n_mid, quant.bits, quant.group_size, D, mid)
+                out[h, s:s + n_mid] = mid.reshape(n_mid, D)
+        return out
+
+    def votes(self, full, quant, sinks: int, queries: np.ndarray, scale: float) -> np.ndarray | None:
+        """Attention mass per KV head and held token ([kv_heads, held] float32) of ``queries``
+        [heads, L, D] (roped; the last L held tokens', causal among themselves), as
+        sparsity.attention_mass gives it: the products through numpy's BLAS (MLX's CPU matmul
+        runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s)."""
+        keys = self.keys(full, quant, sinks)
+        if keys is None:
+            self._count("votes", False)
+            return None
+        H, N, D = keys.shape
+        heads, L, _ = queries.shape
+        G = heads // H
+        mass = np.empty((H, N), np.float32)
+        # query l sees the keys up to its own token, N - L + l
+        hidden = np.arange(N)[None] > (N - L + np.arange(L))[:, None]
+        for h in range(H):
+            q = (queries[h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)).reshape(G * L, D)
+            s = (q @ keys[h].T).reshape(G, L, N)
+            s[:, hidden] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            mass[h] = s.sum(axis=(0, 1))
+        self._count("votes", True)
+        return mass
+
+    def select(self, quant, keep: np.ndarray, deltas: np.ndarray, first: int) -> bool:
+        """Keep the middle rows ``keep`` (ascending, middle indices), each moving to its place in
+        that list; keys from ``first`` (the first evicted row) on move by their own ``deltas``
+        (<= 0) positions, re-quantised (kernels/kv_rows.move_keys); values as stored."""
+        from chatapp.kernels.kv_rows import compact_rows, move_keys
+
+        if quant.kind != "quant" or quant.keys is None or quant.shared or not len(keep):
+            return self._count("select", False)
+        keep = np.ascontiguousarray(keep, np.int64)
+        deltas = np.ascontiguousarray(deltas, np.int64)
+        H, D = quant.keys[0].shape[1], quant.keys[0].shape[3] * 32 // quant.bits
+        for a in quant.values:
+            buf, stride = _flat(a)
+            compact_rows(buf, H, stride, stride // a.shape[2], keep)
+        shifts = np.arange(int(-deltas.min()) + 1 if len(deltas) else 1, dtype=np.float32)
+        theta = -shifts[:, None] * self.inv_freq[None]
+        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        (p, ps), (sc, ss), (bi, _) = (_flat(a) for a in quant.keys)
+        move_keys(p, sc, bi, H, ps, ss, keep, deltas, first, D, quant.bits, quant.group_size, cos, sin,
+                  self.traditional)
+        quant.length = len(keep)
+        quant._held_view = None
+        return self._count("select", True)

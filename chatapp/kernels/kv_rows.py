@@ -23,6 +23,7 @@ from numba import njit
 
 from .half import store_f32
 from .llvm import as_f32
+from .quant_split import dequant_rows
 
 
 @njit(fastmath={"nnan", "ninf", "nsz"}, nogil=True, cache=True)
@@ -188,3 +189,48 @@ def shift_rows(buf, H, stride, start, n, length, W):  # pragma: no cover - jitte
             m = min(piece, count - off)
             a = dst + off
             _copy(buf[a:a + m], buf[a + piece:a + piece + m], m)
+
+
+@njit(nogil=True, cache=True)
+def compact_rows(buf, H, stride, W, keep):  # pragma: no cover - jitted
+    """Row keep[j] of each head of a flat [H, capacity, W] buffer moved to row j, for ascending
+    ``keep`` (so keep[j] >= j: a row is read before anything is written over it)."""
+    for h in range(H):
+        base = h * stride
+        for j in range(keep.shape[0]):
+            r = keep[j]
+            if r != j:
+                _copy(buf[base + j * W:base + (j + 1) * W], buf[base + r * W:base + (r + 1) * W], W)
+
+
+@njit(nogil=True, cache=True)
+def move_keys(packed, scales, biases, H, p_stride, s_stride, keep, deltas, first, D, bits, group, cos, sin,
+              traditional):  # pragma: no cover - jitted
+    """The scored caches' eviction over a quantised middle of keys (flat per-head buffers, MLX's
+    affine layout): kept row keep[j] moves to row j; rows before ``first`` (the first evicted
+    one) keep their packed form, later ones are dequantised (rounded to the scales' dtype, as
+    ``mx.dequantize`` returns them), turned by their own shift ``deltas[j]`` (cos/sin rows
+    [-deltas[j]] of the tables [max shift + 1, D/2]), rounded again and quantised as
+    ``mx.quantize`` does: what cache/scored.py's MLX route does with ``shift_each``."""
+    P, ng = D * bits // 8, D // group
+    x = np.empty(D, np.float32)
+    rounded = np.empty(D, scales.dtype)
+    q4 = np.empty(group, np.uint8)
+    for h in range(H):
+        pb, sb = h * p_stride, h * s_stride
+        for j in range(keep.shape[0]):
+            r = keep[j]
+            if r < first:
+                if r != j:
+                    _copy(packed[pb + j * P:pb + (j + 1) * P], packed[pb + r * P:pb + (r + 1) * P], P)
+                    _copy(scales[sb + j * ng:sb + (j + 1) * ng], scales[sb + r * ng:sb + (r + 1) * ng], ng)
+                    _copy(biases[sb + j * ng:sb + (j + 1) * ng], biases[sb + r * ng:sb + (r + 1) * ng], ng)
+                continue
+            dequant_rows(packed, scales, biases, pb, sb, r, 1, bits, group, D, x)
+            _store(x, rounded)
+            _load(rounded, x)
+            d = -deltas[j]
+            _rope(x, D, cos[d], sin[d], traditional)
+            _store(x, rounded)
+            _load(rounded, x)
+            _quantize_row(x, D, bits, group, packed, pb + j * P, scales, biases, sb + j * ng, q4)
