@@ -41,3 +41,7 @@ class RowOps(Protocol):
     def select(self, quant, keep: np.ndarray, deltas: np.ndarray, first: int) -> bool:
         """The scored caches' eviction from the quantised middle: keep rows ``keep`` (ascending),
         keys from row ``first`` on moved by their own ``deltas`` positions and quantised again."""
+
+    def select_full(self, full: FullBuffer, keep: np.ndarray, deltas: np.ndarray, start: int) -> bool:
+        """The scored cache's eviction with no quantised middle: keep rows ``keep`` of ``full``
+        (ascending; all rows before ``start``), keys moved by their own ``deltas`` positions."""

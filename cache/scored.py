@@ -274,13 +274,22 @@ class ScoredKVCache(SegmentedKVCache):
         gone = np.cumsum(~kept)[keep]  # evicted before each kept token: how far it moves back
         idx, deltas = mx.array(keep.astype(np.int32)), mx.array(-gone.astype(np.int32))
         if self.quant is None:
-            k, v = self.full.view()
-            k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-            k = shift_each(self.repos, k, deltas)
-            self.full.trim(held)
-            self.full.append(k, v)
+            if self.native is None or not self.native.select_full(self.full, keep, -gone, start):
+                self._evict_full(idx, deltas, held)
         else:
             self._evict_quantised(idx, deltas, start)
+        self._after_eviction(idx, n, held)
+
+    def _evict_full(self, idx: mx.array, deltas: mx.array, held: int) -> None:
+        """Keep the tokens ``idx``, each key moved by its own delta, through MLX."""
+        k, v = self.full.view()
+        k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
+        k = shift_each(self.repos, k, deltas)
+        self.full.trim(held)
+        self.full.append(k, v)
+
+    def _after_eviction(self, idx: mx.array, n: int, held: int) -> None:
+        """Scores, voters and counts follow the kept tokens ``idx`` of ``held``, ``n`` evicted."""
         self._fit_scores(self.full.keys.shape[1])
         self.scores = self.scores[:, idx]
         if self._obs is not None:  # the voters sit in the recent window, which moved back by n

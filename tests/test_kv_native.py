@@ -66,7 +66,7 @@ def _settings(mode: str, bits: int = 8) -> CacheSettings:
 
 
 IN_PLACE = {"window-quant": {"flush", "remove_front", "rotate"}, "window": {"remove", "rotate"},
-            "scored-quant": {"flush", "votes", "select", "rotate"}, "scored": {"votes"}}
+            "scored-quant": {"flush", "votes", "select", "rotate"}, "scored": {"votes", "select_full"}}
 
 
 @pytest.mark.parametrize("mode,bits", [("window-quant", 8), ("window-quant", 4), ("window", 8), ("scored-quant", 8),

@@ -192,12 +192,36 @@ class NativeRowOps:
         for a in quant.values:
             buf, stride = _flat(a)
             compact_rows(buf, H, stride, stride // a.shape[2], keep)
-        shifts = np.arange(int(-deltas.min()) + 1 if len(deltas) else 1, dtype=np.float32)
-        theta = -shifts[:, None] * self.inv_freq[None]
-        cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        cos, sin = self._shift_table(deltas)
         (p, ps), (sc, ss), (bi, _) = (_flat(a) for a in quant.keys)
         move_keys(p, sc, bi, H, ps, ss, keep, deltas, first, D, quant.bits, quant.group_size, cos, sin,
                   self.traditional)
         quant.length = len(keep)
         quant._held_view = None
         return self._count("select", True)
+
+    def select_full(self, full, keep: np.ndarray, deltas: np.ndarray, start: int) -> bool:
+        """Keep the full-precision rows ``keep`` (ascending held indices; every row before
+        ``start`` among them), each moving to its place in that list, keys turned by their own
+        ``deltas`` (<= 0) positions: the scored cache's eviction with no quantised middle."""
+        from chatapp.kernels.kv_rows import compact_rows, move_rows
+
+        if not self._may_change(full, start) or not len(keep):
+            return self._count("select_full", False)
+        keep = np.ascontiguousarray(keep, np.int64)
+        deltas = np.ascontiguousarray(deltas, np.int64)
+        H, D = full.keys.shape[1], full.keys.shape[3]
+        buf, stride = _flat(full.values)
+        compact_rows(buf, H, stride, D, keep)
+        cos, sin = self._shift_table(deltas)
+        buf, stride = _flat(full.keys)
+        move_rows(buf, H, stride, D, keep, deltas, cos, sin, self.traditional)
+        full.length = len(keep)
+        full._held_view = None
+        return self._count("select_full", True)
+
+    def _shift_table(self, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin [max shift + 1, D/2]: row d turns a key back by d positions."""
+        shifts = np.arange(int(-deltas.min()) + 1 if len(deltas) else 1, dtype=np.float32)
+        theta = -shifts[:, None] * self.inv_freq[None]
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)

@@ -234,3 +234,21 @@ def move_keys(packed, scales, biases, H, p_stride, s_stride, keep, deltas, first
             _store(x, rounded)
             _load(rounded, x)
             _quantize_row(x, D, bits, group, packed, pb + j * P, scales, biases, sb + j * ng, q4)
+
+
+@njit(nogil=True, cache=True)
+def move_rows(buf, H, stride, D, keep, deltas, cos, sin, traditional):  # pragma: no cover - jitted
+    """Row keep[j] of each head of a flat [H, capacity, D] key buffer (float32 or float16 bits)
+    moved to row j and turned by its own shift deltas[j] (cos/sin rows [-deltas[j]]), in float32:
+    the scored cache's eviction from full-precision keys (ascending ``keep``, as compact_rows)."""
+    x = np.empty(D, np.float32)
+    for h in range(H):
+        base = h * stride
+        for j in range(keep.shape[0]):
+            r, d = keep[j], -deltas[j]
+            if r == j and d == 0:
+                continue
+            _load(buf[base + r * D:base + (r + 1) * D], x)
+            if d:
+                _rope(x, D, cos[d], sin[d], traditional)
+            _store(x, buf[base + j * D:base + (j + 1) * D])
