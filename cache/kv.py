@@ -17,161 +17,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 
 from .attention import attend_full, attend_mixed, prefill_kernel
+from .base import CacheStateError, _CacheBase, tally
 from .buffers import FullBuffer
+from .concat import ConcatKVCache
 from .quant_channel import quant_buffer
 from .rope import Repositioner
 from .row_ops import RowOps
 from .settings import CacheSettings
 from .sparsity import evictable_share, observer, record
 from .usage import CacheUsage
-
-
-def tally(counts: dict[str, int], mode: str, n: int) -> None:
-    """Add ``n`` tokens to ``mode``'s count (the per-policy evicted / quantised tallies)."""
-    if n:
-        counts[mode] = counts.get(mode, 0) + n
-
-
-class CacheStateError(ValueError):
-    """Saved cache state that cannot be restored into this cache; the message says why."""
-
-
-class _CacheBase:
-    mode: str = ""
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        """mlx-lm's ``create_attention_mask`` for this cache: a windowed mask whenever the model
-        asks for a window (a decode step too: the window may already exclude early tokens)."""
-        offset = self.offset
-        if window_size is not None:
-            return create_causal_mask(N, offset, window_size=window_size)
-        if N == 1:
-            return None
-        if return_array:
-            return create_causal_mask(N, offset)
-        return "causal"
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def size(self) -> int:
-        return self.offset
-
-    def empty(self) -> bool:
-        return self.offset == 0
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes really held (not the allocated buffer); ``usage()`` has both."""
-        return self.usage().bytes_held
-
-    @classmethod
-    def merge(cls, caches):
-        """mlx-lm's batched cache of several single-sequence caches (``BatchKVCache``: full
-        precision, left-padded), as mlx-lm's ``KVCache.merge`` gives."""
-        from mlx_lm.models.cache import BatchKVCache
-
-        return BatchKVCache.merge(caches)
-
-    def to_quantized(self, group_size: int = 64, bits: int = 4):
-        """mlx-lm's ``QuantizedKVCache`` holding this cache's tokens (as ``KVCache.to_quantized``)."""
-        from mlx_lm.models.cache import QuantizedKVCache as MlxQuantizedKVCache
-
-        q = MlxQuantizedKVCache(group_size=group_size, bits=bits)
-        k, v = self.content()
-        if k is not None:
-            q.keys = mx.quantize(k, group_size=group_size, bits=bits)
-            q.values = mx.quantize(v, group_size=group_size, bits=bits)
-            q.offset = k.shape[2]
-        return q
-
-
-class ConcatKVCache(_CacheBase):
-    """The naive cache: ``mx.concatenate`` on every token, copying the whole history each step."""
-
-    mode = "concat"
-
-    def __init__(self, settings: CacheSettings | None = None, repositioner: Repositioner | None = None):
-        self.settings = settings
-        self.keys: mx.array | None = None
-        self.values: mx.array | None = None
-        self.evicted = 0
-        self.evicted_by: dict[str, int] = {}
-        self.quantised_by: dict[str, int] = {}
-
-    @property
-    def offset(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = mx.concatenate([self.keys, keys], axis=2)
-            self.values = mx.concatenate([self.values, values], axis=2)
-        return self.keys, self.values
-
-    def absorb(self, keys: mx.array, values: mx.array) -> None:
-        """Take tokens outside a model step (conversion, restore)."""
-        self.update_and_fetch(keys, values)
-
-    def keys_and_values(self) -> tuple[mx.array | None, mx.array | None]:
-        return self.keys, self.values
-
-    def buffers(self) -> list[mx.array]:
-        """The held arrays (SegmentedKVCache.buffers)."""
-        return [a for a in (self.keys, self.values) if a is not None]
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        if n:
-            end = self.offset - n
-            self.keys, self.values = self.keys[:, :, :end], self.values[:, :, :end]
-        return n
-
-    def content(self) -> tuple[mx.array | None, mx.array | None]:
-        return self.keys, self.values
-
-    def load_state(self, state, meta_state) -> None:
-        state = list(state)
-        if len(state) not in (0, 2):
-            raise CacheStateError(f"expected 0 or 2 state arrays, got {len(state)}")
-        self.state = state
-        self.meta_state = meta_state
-
-    def usage(self) -> CacheUsage:
-        if self.keys is None:
-            return CacheUsage()
-        b = self.keys.nbytes + self.values.nbytes
-        n = self.offset
-        return CacheUsage(full_tokens=n, full_slots=n, full_bytes=b, full_bytes_allocated=b)
-
-    @property
-    def state(self):
-        return [] if self.keys is None else [self.keys, self.values]
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values = (v[0], v[1]) if v else (None, None)
-
-    @property
-    def meta_state(self):
-        return ()
-
-    @meta_state.setter
-    def meta_state(self, v):
-        if tuple(v):
-            raise CacheStateError(f"concat caches carry no meta state (got {tuple(v)!r})")
-
-    @classmethod
-    def from_state(cls, state, meta_state=()):
-        c = cls()
-        c.state = state
-        c.meta_state = meta_state
-        return c
 
 
 class SegmentedKVCache(_CacheBase):
