@@ -1,7 +1,7 @@
 """Which architectures the fused steps serve, decided from the layers' modules
-(backend/fused_support.fused_unsupported): Qwen2's q/k/v biases are added by the kernels, so a
-Qwen2 model runs fused with MLX's logits over every cache policy; a layer with modules Llama's
-block lacks (Qwen3's q/k norms) is refused, naming them."""
+(backend/fused_support.fused_unsupported): Qwen2's q/k/v biases and Qwen3's per-head q/k norms
+run in the kernels, so those models run fused with MLX's logits over every cache policy; a layer
+with modules Llama's block lacks is refused, naming them."""
 
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ def test_qwen2_runs_fused_with_mlx_logits(mode):
     assert float(mx.abs(ref.model.layers[0].self_attn.k_proj.bias).max()) > 0  # biases that matter
     apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
     assert fused_unsupported(fast) is None and is_fused(fast)
+    _same_logits(ref, fast, mode)
+
+
+def _same_logits(ref, fast, mode: str) -> None:
+    """A prefill, a second chunk over what the first left (evicted, quantised), then 20 decode
+    steps: the fused model's logits equal MLX's route's."""
     s = CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
                       kv_group_size=32)
     caches = [make_caches(m, s) for m in (ref, fast)]
@@ -60,8 +66,31 @@ def test_qwen2_runs_fused_with_mlx_logits(mode):
         assert close(a, b)
 
 
+def _qwen3(seed: int = 5):
+    config = {"model_type": "qwen3", "head_dim": 32, **CONFIG}
+    m = randomize(qwen3.Model(qwen3.ModelArgs.from_dict(config)), config, seed, quantize_bits=4, group_size=32)
+    rng = np.random.default_rng(seed)
+    for layer in m.model.layers:  # randomize leaves norms at ones: weights that matter
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight = mx.array(1 + 0.5 * rng.standard_normal(norm.weight.shape).astype(np.float32))
+    install_attention(m)
+    return m
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant", "scored"])
+def test_qwen3_runs_fused_with_mlx_logits(mode):
+    """Qwen3's per-head q/k RMSNorms run in the kernels, before RoPE, in decode and prefill."""
+    ref, fast = _qwen3(), _qwen3()
+    w = np.array(ref.model.layers[0].self_attn.k_norm.weight)
+    assert float(np.abs(w - 1).max()) > 0.01  # norms whose weights matter
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert fused_unsupported(fast) is None and is_fused(fast)
+    _same_logits(ref, fast, mode)
+
+
 def test_layers_with_other_modules_are_refused_naming_them():
     config = {"model_type": "qwen3", "head_dim": 32, **CONFIG}
     m = randomize(qwen3.Model(qwen3.ModelArgs.from_dict(config)), config, 1, quantize_bits=4, group_size=32)
+    m.model.layers[1].self_attn.extra_norm = m.model.layers[1].self_attn.q_norm
     why = fused_unsupported(m)
-    assert why is not None and "k_norm, q_norm" in why
+    assert why is not None and "extra_norm" in why

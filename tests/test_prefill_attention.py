@@ -126,7 +126,7 @@ def test_chunk_attention_matches_softmax_qkt_v(n_cached, tokens, shape, half, tr
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, heads, kv_heads, kf, ks, vf, vs,
                     n_quant + n_cached, scale, k_out.view(np.uint16) if half else k_out,
                     v_out.view(np.uint16) if half else v_out, attn, quant, q_stride, n_quant, bits, group, cos_u, sin_u,
-                    q_from)
+                    np.empty(0, np.float32), np.float32(1e-6), q_from)
     want = _reference(want_q, k_raw, v_new, np.concatenate([k_deq, k_buf[:, :n_cached]], 1),
                       np.concatenate([v_deq, v_buf[:, :n_cached]], 1), cos, sin, traditional, heads, kv_heads, scale)
     np.testing.assert_allclose(attn[q_from:], want[q_from:], rtol=0, atol=2e-5)

@@ -48,6 +48,7 @@ from .fused_settings import (
 from .fused_support import (
     BIASED,
     PROJECTIONS,
+    QK_NORMS,
     attention_head_dim,
     cache_refusal,
     fused_unsupported,
@@ -69,6 +70,8 @@ class _Layer:
     eps: np.float32
     # the q, k and v projections' biases concatenated (Qwen2), float32 [nq + nk + nv]; [0]: none
     qkv_bias: np.ndarray
+    # the per-head RMSNorm weights of the queries then the keys (Qwen3), float32 [2 * D]; [0]: none
+    qk_norm: np.ndarray
 
 
 def _qkv_bias(attn) -> np.ndarray:
@@ -78,6 +81,15 @@ def _qkv_bias(attn) -> np.ndarray:
     rows = [attn[name].weight.shape[0] for name in BIASED]
     out = [np.zeros(n, np.float32) if b is None else np.asarray(b.astype(mx.float32)) for b, n in zip(parts, rows)]
     return np.concatenate(out).astype(np.float32)
+
+
+def _qk_norm(attn, eps: float) -> np.ndarray:
+    norms = [attn.get(name) for name in QK_NORMS]
+    if all(n is None for n in norms):
+        return np.empty(0, np.float32)
+    if any(n is None or float(n.eps) != float(eps) for n in norms):
+        raise ValueError("fused decode: q/k norms of their own eps, or only one of them")
+    return np.concatenate([_norm(n) for n in norms]).astype(np.float32)
 
 
 def _weights(m) -> tuple:
@@ -124,7 +136,8 @@ class FusedDecoder:
                 weights,
                 np.array([pw.bits for pw in pws], np.int64),
                 _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
-                np.float32(layer["input_layernorm"].eps), _qkv_bias(layer["self_attn"])))
+                np.float32(layer["input_layernorm"].eps), _qkv_bias(layer["self_attn"]),
+                _qk_norm(layer["self_attn"], layer["input_layernorm"].eps)))
             if layer["post_attention_layernorm"].eps != layer["input_layernorm"].eps:
                 raise ValueError("fused decode: the two norms of a layer use different eps")
         attn = inner.layers[0]["self_attn"]
@@ -178,6 +191,9 @@ class FusedDecoder:
         if len(widths) != 1:
             raise ValueError("fused decode: some layers' q/k/v projections have biases and some not")
         self._qkv_bias = np.stack([layer.qkv_bias for layer in layers])
+        if len({layer.qk_norm.shape[0] for layer in layers}) != 1:
+            raise ValueError("fused decode: some layers normalise their queries and keys and some not")
+        self._qk_norm = np.stack([layer.qk_norm for layer in layers])
         n, kd = len(layers), self._k.shape[0]
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
@@ -393,7 +409,7 @@ class FusedDecoder:
                          self.fast_mask, write, _kv_like(caches),
                          self.chunks or CHUNKS_PER_THREAD * pool().threads, self._q_addr, self._q_size,
                          self._q_stride, n_quant, q_bits, q_group, self._cos_q, self._sin_q, scales_like,
-                         self._q_out, self._qkv_bias)
+                         self._q_out, self._qkv_bias, self._qk_norm)
         k_new = v_new = queries = None
         for i, c in enumerate(caches):
             if write[i]:
@@ -508,11 +524,14 @@ class FusedDecoder:
                          np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, q_keep, self._q_addr, self._q_size, self._q_stride, n_quant, q_bits,
-                         q_group, cos_u, sin_u, scales_like, self._qkv_bias, self.prefill_block)
+                         q_group, cos_u, sin_u, scales_like, self._qkv_bias, self._qk_norm, self.prefill_block)
         del k_out, v_out
         if n_keep:
-            roped = rope_rows(q_keep.reshape(L, n_keep, self.n_heads, D), cos[T - n_keep:], sin[T - n_keep:],
-                              self.traditional)
+            kept = q_keep.reshape(L, n_keep, self.n_heads, D)
+            if self._qk_norm.shape[1]:  # kept before the q norm (Qwen3), which comes before RoPE
+                w = self._qk_norm[:, None, None, :D]
+                kept = kept / np.sqrt(np.mean(kept * kept, axis=-1, keepdims=True) + self._eps) * w
+            roped = rope_rows(kept, cos[T - n_keep:], sin[T - n_keep:], self.traditional)
             for i, c in enumerate(caches):
                 if c.chunk_queries_kept:
                     c.keep_chunk_queries(roped[i], float(self.scale), T)

@@ -14,14 +14,15 @@ from .fused_settings import KV_HOST
 # attention, SwiGLU MLP, no scaling multipliers: mlx-lm's granite and minicpm hold the same
 # modules but scale the embedding, the residuals and the logits in their code, which no module
 # shows); qwen2 adds biases to the q, k and v projections, which the kernels add
-FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 BIASED = ("q_proj", "k_proj", "v_proj")  # the projections whose biases the kernels add
-# a decoder layer's modules, its attention's and its MLP's, exactly: any other (Qwen3's q/k norms,
-# Gemma's extra norms) computes something the kernels do not
+QK_NORMS = ("q_norm", "k_norm")  # per-head RMSNorms of the queries and keys before RoPE (Qwen3)
+# a decoder layer's modules, its attention's and its MLP's, exactly (the q/k norms both or
+# neither): any other (Gemma's extra norms) computes something the kernels do not
 LAYER_MODULES = {"": {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"},
-                 "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj", "rope"},
+                 "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj", "rope", *QK_NORMS},
                  "mlp": {"gate_proj", "up_proj", "down_proj"}}
 
 
@@ -70,6 +71,21 @@ def attention_head_dim(attn) -> int | None:
     return int(q.weight.shape[0]) // heads if q is not None and heads else None
 
 
+def _qk_norms(attn, layer_norm) -> str | None:
+    """None when the attention has no q/k norms, or both as the kernels apply them: RMSNorm over
+    one head, with the layer norms' eps."""
+    norms = [attn.get(name) for name in QK_NORMS]
+    if all(n is None for n in norms):
+        return None
+    if any(type(n) is not nn.RMSNorm for n in norms):
+        return "q/k norms that are not both RMSNorm"
+    if any(n.weight.shape[0] != attention_head_dim(attn) for n in norms):
+        return "q/k norms wider than a head"
+    if any(float(n.eps) != float(getattr(layer_norm, "eps", -1)) for n in norms):
+        return "q/k norms with an eps of their own"
+    return None
+
+
 def fused_unsupported(model: nn.Module) -> str | None:
     """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
     args = getattr(model, "args", None)
@@ -93,6 +109,9 @@ def fused_unsupported(model: nn.Module) -> str | None:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             if type(layer.get(norm)) is not nn.RMSNorm:
                 return f"{norm} is not RMSNorm"
+        why = _qk_norms(attn, layer.get("input_layernorm"))
+        if why:
+            return why
         for parent, name in PROJECTIONS:
             proj = layer[parent].get(name)
             if proj is None or ("bias" in proj and name not in BIASED):

@@ -199,6 +199,19 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
+def head_norm(v, w, off, eps):  # pragma: no cover - jitted
+    """v [D] <- v / sqrt(mean(v^2) + eps) * w[off:off + D]: Qwen3's per-head RMSNorm of the
+    queries and keys, before RoPE (w: the q norm's weights then the k norm's)."""
+    D = v.shape[0]
+    ss = np.float32(0.0)
+    for e in range(D):
+        ss += v[e] * v[e]
+    r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + eps)
+    for e in range(D):
+        v[e] = v[e] * r * w[off + e]
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
 def apply_rope(v, cos, sin, traditional):  # pragma: no cover - jitted
     """Rotate v [D] in place: pairs (2i, 2i+1) when traditional, else (i, i + D/2)."""
     half = cos.shape[0]
@@ -222,7 +235,8 @@ def silu_mul(g, u):  # pragma: no cover - jitted
 def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                scale, q, k_new, v_new, k_out, part, act, fast, write_kv, chunks,
-               quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out, qkv_bias):  # pragma: no cover - jitted
+               quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out, qkv_bias,
+               qk_norm):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -245,7 +259,9 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     window, and cos_q/sin_q the angles of the middle's position (the token's plus the cache's
     rotation delta). ``n_quant`` 0: no middle (prealloc, window, scored). q_out [heads * D]
     receives the roped queries (the scored caches' votes, the sparsity figure). qkv_bias
-    [nq + nk + nv] float32: the q, k and v projections' biases (Qwen2), or [0]: none."""
+    [nq + nk + nv] float32: the q, k and v projections' biases (Qwen2), or [0]: none. qk_norm
+    [2 * D] float32: the per-head RMSNorm weights of the queries then the keys, applied before
+    RoPE with ``eps`` (Qwen3), or [0]: none."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -330,6 +346,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                 h = kh * G + g
                 for e in range(D):
                     qg[g * D + e] = q[h * D + e]
+                if qk_norm.shape[0]:
+                    head_norm(qg[g * D:(g + 1) * D], qk_norm, 0, eps)
                 apply_rope(qg[g * D:(g + 1) * D], cos_q, sin_q, traditional)
             for i in range(6):
                 q_base[i] = kh * q_stride[i]
@@ -340,11 +358,15 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             continue
         for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)
             kr[e] = k_new[kh * D + e]
+        if qk_norm.shape[0]:
+            head_norm(kr, qk_norm, D, eps)
         apply_rope(kr, cos, sin, traditional)
         for g in range(G):
             h = kh * G + g
             for e in range(D):
                 qg[g * D + e] = q[h * D + e]
+            if qk_norm.shape[0]:
+                head_norm(qg[g * D:(g + 1) * D], qk_norm, 0, eps)
             apply_rope(qg[g * D:(g + 1) * D], cos, sin, traditional)
             if sp == 0:
                 for e in range(D):
@@ -422,7 +444,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like,
                chunks, q_addr, q_size, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, scales_like,
-               q_out, qkv_bias):  # pragma: no cover - jitted
+               q_out, qkv_bias, qk_norm):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -439,7 +461,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     element counts and head strides (packed bytes as uint8, scales and biases with
     ``scales_like``'s element type), cos_q/sin_q [L, D/2] its queries' angles; q_out [L, heads * D]
     receives each layer's roped queries (see layer_step); qkv_bias [L, nq + nk + nv] (or [L, 0])
-    each layer's q, k and v biases."""
+    each layer's q, k and v biases; qk_norm [L, 2 * D] (or [L, 0]) its q and k norms' weights."""
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
@@ -454,7 +476,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                    v_cache, kv_stride[layer],
                    n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
                    write_kv[layer], chunks, quant, q_stride[layer], n_quant, q_bits, q_group, cos_q[layer],
-                   sin_q[layer], q_out[layer], qkv_bias[layer])
+                   sin_q[layer], q_out[layer], qkv_bias[layer], qk_norm[layer])
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from .attention import fast_exp, head_rows
-from .decode_step import apply_rope, phase_barrier, phase_claim, phase_done
+from .decode_step import apply_rope, head_norm, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
 from .microkernels import A_ROWS, outer4x32
@@ -114,7 +114,7 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, q_from=0):  # pragma: no cover - jitted
+                    cos_u, sin_u, qk_norm, eps, q_from=0):  # pragma: no cover - jitted
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
@@ -130,7 +130,9 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     none): the cache buffers hold the other n_cached - n_quant rows (sinks and recent window, where
     the chunk's rows go next), ``quant`` the middle as stored (decode_step.token_step's six
     buffers, heads ``q_stride`` apart), read in place block by block (_fill_block), its keys
-    turned back by cos_u/sin_u [D/2] (the angles of minus its rotation delta)."""
+    turned back by cos_u/sin_u [D/2] (the angles of minus its rotation delta). qk_norm [2 * D]:
+    the queries' and keys' per-head RMSNorm weights with ``eps``, applied before RoPE (Qwen3), or
+    [0]: none."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -163,6 +165,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         for j in range(t_end):
             for e in range(D):  # (a loop, not a row assignment: see views.py)
                 kr[j, e] = k_raw[j, kh * D + e]
+            if qk_norm.shape[0]:
+                head_norm(kr[j], qk_norm, D, eps)
             apply_rope(kr[j], cos[j], sin[j], traditional)
         if blk == n_blocks - 1 and k_out.shape[0] == 0:
             kw = head_rows(k_cache, kh, k_stride, n_full + T, D)
@@ -191,6 +195,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 if q_from <= t < T:
                     for e in range(D):  # (a loop, not ``qr[:] = ...``: see views.py)
                         qr[e] = q[t, h * D + e]
+                    if qk_norm.shape[0]:
+                        head_norm(qr, qk_norm, 0, eps)
                     apply_rope(qr, cos[t], sin[t], traditional)
                     for e in range(D):
                         qt[e * M + m] = qr[e] * scale

@@ -221,7 +221,8 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                   scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, quant, q_stride, n_quant, q_bits,
-                  q_group, cos_u, sin_u, qkv_bias, fast=0, act_block=0, last_only=False):  # pragma: no cover
+                  q_group, cos_u, sin_u, qkv_bias, qk_norm, fast=0, act_block=0,
+                  last_only=False):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
     its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
     for the last token only, as a chunk's last layer needs: its other rows reach nothing).
@@ -313,7 +314,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, t1)
+                    cos_u, sin_u, qk_norm, eps, t1)
 
     # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
     Tn = T - t1
@@ -368,7 +369,7 @@ LAYER_CTL = 2 * LINE * 5
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                  scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, q_addr, q_size, q_stride, n_quant,
-                 q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, act_block=0):  # pragma: no cover
+                 q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, qk_norm, act_block=0):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
@@ -384,7 +385,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     queries before RoPE (n = 0: none; ``rope_rows`` turns them). Each layer's quantised middle
     (n_quant of the n_cached rows; 0: none) as token_step takes it, with cos_u/sin_u [L, D/2]
     the angles that turn its keys back by its rotation delta (chunk_attention); qkv_bias
-    [L, nq + nk + nv] (or [L, 0]) each layer's q, k and v biases."""
+    [L, nq + nk + nv] (or [L, 0]) each layer's q, k and v biases; qk_norm [L, 2 * D] (or [L, 0]) its
+    per-head q and k norms' weights (Qwen3: applied before RoPE; q_keep is kept before them)."""
     xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
@@ -399,7 +401,8 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                       group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                       v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
                       act, xbuf, q_keep[layer], quant, q_stride[layer], n_quant, q_bits, q_group, cos_u[layer],
-                      sin_u[layer], qkv_bias[layer], fast[layer], act_block, layer == bits.shape[0] - 1)
+                      sin_u[layer], qkv_bias[layer], qk_norm[layer], fast[layer], act_block,
+                      layer == bits.shape[0] - 1)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
