@@ -116,3 +116,25 @@ def test_caches_without_a_native_step_keep_mlx_maintenance():
     ref, _ = _pair()
     caches = make_caches(ref, _settings("window-quant"))
     assert all(c.native is None for c in caches)
+
+
+def test_scales_read_as_float32_copies_are_read_again_after_maintenance(monkeypatch):
+    """Where the CPU lacks F16C the fused step reads float16 scales through float32 copies
+    (kv_native.host_scales): maintenance in place must make it take them afresh. The same float16
+    cache with and without native half scales gives the same logits past flushes and evictions."""
+    import chatapp.kernels as kernels
+    from chatapp.backend.cpu import apply_fast_path
+    from tests.fused_llama import small_llama
+
+    outs = []
+    for native in (True, False):
+        monkeypatch.setattr(kernels, "half_scales_native", lambda native=native: native)
+        model = small_llama()
+        apply_fast_path(model, backend="cpu", warm_up=False, kv_dtype="float16")
+        run = _Run(model, _settings("window-quant"))
+        run.prefill(list(range(1, 13)))
+        outs.append([run.step(int(t)) for t in np.random.default_rng(4).integers(0, 200, 70)])
+        assert run.caches[0].evicted and not fused_decoder(model).row_ops.declined
+        assert run.caches[0].quant.keys[1].dtype == mx.float16
+    for a, b in zip(*outs):
+        assert np.allclose(a, b, atol=1e-4, rtol=1e-4)

@@ -571,13 +571,13 @@ def _pin_quant(q) -> tuple:
     element counts and head strides; the views keep the arrays alive."""
     from chatapp.kernels.attention import heads_view
 
-    from .qlinear import scales_for_kernels
+    from .kv_native import host_scales
 
     views, addrs, sizes, strides = [], [], [], []
     for packed, scales, biases in (q.keys, q.values):
         mx.eval(packed, scales, biases)
         for j, a in enumerate((packed, scales, biases)):
-            h = np.asarray(a)[0].view(np.uint8) if j == 0 else np.asarray(scales_for_kernels(a))[0]
+            h = np.asarray(a)[0].view(np.uint8) if j == 0 else host_scales(a)[0]
             flat, stride = heads_view(h)
             views.append(flat)
             addrs.append(flat.ctypes.data)

@@ -37,6 +37,31 @@ def _flat(a: mx.array) -> tuple[np.ndarray, int]:
     return h.reshape(-1), h.shape[2] * h.shape[3]
 
 
+def host_scales(a: mx.array) -> np.ndarray:
+    """An evaluated scales or biases array as the kernels read it: its own memory (float32, or
+    float16 as uint16 bits where the CPU converts them natively), else a float32 copy
+    (qlinear.scales_for_kernels). numpy's views cost nothing; an MLX view op evaluated per array
+    made re-reading a middle's 180 arrays (SmolLM2) ~57 ms."""
+    from chatapp.kernels import half_scales_native
+
+    from .qlinear import scales_for_kernels
+
+    if a.dtype == mx.float32:
+        return np.asarray(a)
+    if a.dtype == mx.float16 and half_scales_native():
+        return np.asarray(a).view(np.uint16)
+    return np.asarray(scales_for_kernels(a))
+
+
+def _reread_copies(quant) -> None:
+    """A native reader's views of float16 scales are float32 copies where the CPU lacks F16C
+    (host_scales): after rows change in place, it must take them afresh."""
+    from chatapp.kernels import half_scales_native
+
+    if quant.keys[1].dtype == mx.float16 and not half_scales_native():
+        quant.pinned = None
+
+
 class NativeRowOps:
     """RowOps for the caches of one fused decoder: its RoPE frequencies and pairing."""
 
@@ -86,6 +111,7 @@ class NativeRowOps:
         full._held_view = None
         quant.length += n
         quant._held_view = None
+        _reread_copies(quant)
         return self._count("flush", True)
 
     def remove(self, full, start: int, n: int) -> bool:
@@ -124,6 +150,7 @@ class NativeRowOps:
             shift_rows(buf, a.shape[1], stride, 0, n, quant.length, stride // a.shape[2])
         quant.length -= n
         quant._held_view = None
+        _reread_copies(quant)
         return self._count("remove_front", True)
 
     # ---- the scored caches (cache/scored.py) ---------------------------------------------
@@ -198,6 +225,7 @@ class NativeRowOps:
                   self.traditional)
         quant.length = len(keep)
         quant._held_view = None
+        _reread_copies(quant)
         return self._count("select", True)
 
     def select_full(self, full, keep: np.ndarray, deltas: np.ndarray, start: int) -> bool:
