@@ -26,13 +26,13 @@ decoder layers are exactly Llama's math (fused_support.fused_unsupported) are fu
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .fused_layers import FusedLayer, packed_weights, read_layer, read_norm
 from .fused_settings import (
     DOWN_CHOICES,
     FAST_DOWN_DEFAULT,
@@ -46,9 +46,7 @@ from .fused_settings import (
     resolve_numerics,
 )
 from .fused_support import (
-    BIASED,
     PROJECTIONS,
-    QK_NORMS,
     attention_head_dim,
     cache_refusal,
     fused_unsupported,
@@ -57,54 +55,6 @@ from .fused_support import (
 )
 from .kv_native import NativeRowOps
 from .qlinear import last_position_wanted
-
-
-@dataclass
-class _Layer:
-    # 7 x (packed, scales, biases) numpy views; biases [N, 0] where symmetric (kernels/affine.py:
-    # GGUF Q4_0's -8 x scale in every group, which a decoded token then does not read)
-    weights: tuple
-    bits: np.ndarray
-    attn_norm: np.ndarray
-    mlp_norm: np.ndarray
-    eps: np.float32
-    # the q, k and v projections' biases concatenated (Qwen2), float32 [nq + nk + nv]; [0]: none
-    qkv_bias: np.ndarray
-    # the per-head RMSNorm weights of the queries then the keys (Qwen3), float32 [2 * D]; [0]: none
-    qk_norm: np.ndarray
-
-
-def _qkv_bias(attn) -> np.ndarray:
-    parts = [attn[name].get("bias") for name in BIASED]
-    if all(b is None for b in parts):
-        return np.empty(0, np.float32)
-    rows = [attn[name].weight.shape[0] for name in BIASED]
-    out = [np.zeros(n, np.float32) if b is None else np.asarray(b.astype(mx.float32)) for b, n in zip(parts, rows)]
-    return np.concatenate(out).astype(np.float32)
-
-
-def _qk_norm(attn, eps: float) -> np.ndarray:
-    norms = [attn.get(name) for name in QK_NORMS]
-    if all(n is None for n in norms):
-        return np.empty(0, np.float32)
-    if any(n is None or float(n.eps) != float(eps) for n in norms):
-        raise ValueError("fused decode: q/k norms of their own eps, or only one of them")
-    return np.concatenate([_norm(n) for n in norms]).astype(np.float32)
-
-
-def _weights(m) -> tuple:
-    from .qlinear import packed_view
-
-    route = getattr(m, "routing", None)
-    pw = route.packed if route is not None and route.packed is not None else \
-        packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)
-    return pw
-
-
-def _norm(m: nn.RMSNorm) -> np.ndarray:
-    w = m["weight"].astype(mx.float32)
-    mx.eval(w)
-    return np.asarray(w)
 
 
 class FusedDecoder:
@@ -126,39 +76,28 @@ class FusedDecoder:
         self.fast = resolve_numerics(numerics) == "fast"
         # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
         self.prefill_chunks = True
-        from chatapp.kernels.affine import drop_symmetric_biases
-
-        self.layers: list[_Layer] = []
-        for layer in inner.layers:
-            pws = [_weights(layer[p][n]) for p, n in PROJECTIONS]
-            weights = tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws)
-            self.layers.append(_Layer(
-                weights,
-                np.array([pw.bits for pw in pws], np.int64),
-                _norm(layer["input_layernorm"]), _norm(layer["post_attention_layernorm"]),
-                np.float32(layer["input_layernorm"].eps), _qkv_bias(layer["self_attn"]),
-                _qk_norm(layer["self_attn"], layer["input_layernorm"].eps)))
-            if layer["post_attention_layernorm"].eps != layer["input_layernorm"].eps:
-                raise ValueError("fused decode: the two norms of a layer use different eps")
+        self.layers: list[FusedLayer] = [read_layer(layer) for layer in inner.layers]
         attn = inner.layers[0]["self_attn"]
-        self.group_size = int(pws[0].group_size)
+        last = inner.layers[-1]
+        self.group_size = int(packed_weights(last["self_attn"]["q_proj"]).group_size)
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attention_head_dim(attn)
         self.scale = np.float32(attn.scale)
         self.traditional = bool(attn.rope.traditional)
         self.inv_freq = rope_frequencies(attn.rope, self.head_dim)  # (fused_unsupported checked it)
         # the caches' flushes and evictions, in place on the host views this decoder keeps
         self.row_ops = NativeRowOps(self.inv_freq, self.traditional)
-        self.final_norm, self.final_eps = _norm(inner["norm"]), np.float32(inner["norm"].eps)
+        self.final_norm, self.final_eps = read_norm(inner["norm"]), np.float32(inner["norm"].eps)
         embed = inner["embed_tokens"]
         self.embed = embed
         tied = "lm_head" not in model
         head = embed if tied else model["lm_head"]
-        self.head_packed = _weights(head) if isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) else None
+        quantised = isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear))
+        self.head_packed = packed_weights(head) if quantised else None
         self.head_dense = None if self.head_packed is not None else np.asarray(head["weight"].astype(mx.float32))
         self._int8_head = self._make_int8_head()
-        self.embed_packed = _weights(embed) if isinstance(embed, nn.QuantizedEmbedding) else None
+        self.embed_packed = packed_weights(embed) if isinstance(embed, nn.QuantizedEmbedding) else None
         dim = inner.layers[0]["input_layernorm"]["weight"].shape[0]
-        hidden = pws[4].out_features
+        hidden = packed_weights(last["mlp"]["gate_proj"]).out_features
         hd = self.n_heads * self.head_dim
         kd = self.n_kv_heads * self.head_dim
         self.dim = dim
@@ -176,7 +115,7 @@ class FusedDecoder:
         self._stack(self.layers)
         self.set_fast(self.fast)
 
-    def _stack(self, layers: list[_Layer]) -> None:
+    def _stack(self, layers: list[FusedLayer]) -> None:
         """What token_step and prefill_step take of ``layers``: the weights as typed lists (built
         once, by cached code), norms and bits stacked, and the per-layer K/V addresses."""
         from chatapp.kernels.typed_lists import typed_list

@@ -1,0 +1,76 @@
+"""What the fused steps read of each decoder layer (backend/fused_decode.py): the seven
+projections as packed host views, the two norms, and the extras some architectures add (Qwen2's
+q/k/v biases, Qwen3's per-head q/k norms), as the kernels take them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .fused_support import BIASED, PROJECTIONS, QK_NORMS
+
+
+@dataclass
+class FusedLayer:
+    # 7 x (packed, scales, biases) numpy views; biases [N, 0] where symmetric (kernels/affine.py:
+    # GGUF Q4_0's -8 x scale in every group, which a decoded token then does not read)
+    weights: tuple
+    bits: np.ndarray
+    attn_norm: np.ndarray
+    mlp_norm: np.ndarray
+    eps: np.float32
+    # the q, k and v projections' biases concatenated (Qwen2), float32 [nq + nk + nv]; [0]: none
+    qkv_bias: np.ndarray
+    # the per-head RMSNorm weights of the queries then the keys (Qwen3), float32 [2 * D]; [0]: none
+    qk_norm: np.ndarray
+
+
+def _qkv_bias(attn) -> np.ndarray:
+    parts = [attn[name].get("bias") for name in BIASED]
+    if all(b is None for b in parts):
+        return np.empty(0, np.float32)
+    rows = [attn[name].weight.shape[0] for name in BIASED]
+    out = [np.zeros(n, np.float32) if b is None else np.asarray(b.astype(mx.float32)) for b, n in zip(parts, rows)]
+    return np.concatenate(out).astype(np.float32)
+
+
+def _qk_norm(attn, eps: float) -> np.ndarray:
+    norms = [attn.get(name) for name in QK_NORMS]
+    if all(n is None for n in norms):
+        return np.empty(0, np.float32)
+    if any(n is None or float(n.eps) != float(eps) for n in norms):
+        raise ValueError("fused decode: q/k norms of their own eps, or only one of them")
+    return np.concatenate([read_norm(n) for n in norms]).astype(np.float32)
+
+
+def packed_weights(m) -> tuple:
+    from .qlinear import packed_view
+
+    route = getattr(m, "routing", None)
+    pw = route.packed if route is not None and route.packed is not None else \
+        packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)
+    return pw
+
+
+def read_norm(m: nn.RMSNorm) -> np.ndarray:
+    w = m["weight"].astype(mx.float32)
+    mx.eval(w)
+    return np.asarray(w)
+
+
+def read_layer(layer) -> FusedLayer:
+    """One decoder layer as the kernels read it (fused_support.fused_unsupported accepted it)."""
+    from chatapp.kernels.affine import drop_symmetric_biases
+
+    pws = [packed_weights(layer[p][n]) for p, n in PROJECTIONS]
+    eps = layer["input_layernorm"].eps
+    if layer["post_attention_layernorm"].eps != eps:
+        raise ValueError("fused decode: the two norms of a layer use different eps")
+    return FusedLayer(
+        tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws),
+        np.array([pw.bits for pw in pws], np.int64),
+        read_norm(layer["input_layernorm"]), read_norm(layer["post_attention_layernorm"]),
+        np.float32(eps), _qkv_bias(layer["self_attn"]), _qk_norm(layer["self_attn"], eps))
