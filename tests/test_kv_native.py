@@ -138,3 +138,25 @@ def test_scales_read_as_float32_copies_are_read_again_after_maintenance(monkeypa
         assert run.caches[0].quant.keys[1].dtype == mx.float16
     for a, b in zip(*outs):
         assert np.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_middle_numpy_cannot_view_goes_through_mlx():
+    """bfloat16 scales (a middle quantised on MLX's route from bfloat16 rows) have no numpy
+    type: the operations decline, and the cache's own MLX maintenance runs."""
+    from cache.buffers import FullBuffer, QuantBuffer
+    from chatapp.backend.kv_native import NativeRowOps
+
+    ops = NativeRowOps(np.ones(8, np.float32), False)
+    full = FullBuffer(16, dtype=mx.float16)
+    rows = mx.array(np.random.default_rng(0).standard_normal((1, 2, 40, 32)).astype(np.float16))
+    full.append(rows, rows)
+    mx.eval(full.keys, full.values)
+    full.pinned = (np.asarray(full.keys), np.asarray(full.values))
+    quant = QuantBuffer(16, 8, 32)
+    quant.append(rows[:, :, :8].astype(mx.bfloat16), rows[:, :, :8].astype(mx.bfloat16))
+    quant.shared = 0
+    assert quant.keys[1].dtype == mx.bfloat16
+    assert not ops.flush(full, quant, 0, 8, 0)
+    assert not ops.remove_front(quant, 4)
+    assert ops.keys(full, quant, 0) is None
+    assert full.length == 40 and quant.length == 8 and ops.declined == {"flush": 1, "remove_front": 1}

@@ -78,6 +78,11 @@ class NativeRowOps:
         return ok
 
     @staticmethod
+    def _per_token(quant) -> bool:
+        """Whether ``quant`` is a per-token middle whose scales numpy can view (no bfloat16)."""
+        return quant.kind == "quant" and (quant.keys is None or quant.keys[1].dtype in _HOST_DTYPES)
+
+    @staticmethod
     def _may_change(full, start: int) -> bool:
         """Whether rows from ``start`` on of the full buffers may change in place: they have host
         views (a native step pinned them) and no view handed out covers those rows."""
@@ -91,7 +96,7 @@ class NativeRowOps:
     def flush(self, full, quant, start: int, n: int, delta: int) -> bool:
         from chatapp.kernels.kv_rows import flush_rows, shift_rows
 
-        if not self._may_change(full, start) or quant.kind != "quant" or n <= 0:
+        if not self._may_change(full, start) or not self._per_token(quant) or n <= 0:
             return self._count("flush", False)
         if quant.keys is None:
             like = mx.zeros((1, full.keys.shape[1], 1, full.keys.shape[3]), full.keys.dtype)
@@ -143,7 +148,7 @@ class NativeRowOps:
     def remove_front(self, quant, n: int) -> bool:
         from chatapp.kernels.kv_rows import shift_rows
 
-        if quant.kind != "quant" or quant.keys is None or quant.shared:
+        if not self._per_token(quant) or quant.keys is None or quant.shared:
             return self._count("remove_front", False)
         for a in (*quant.keys, *quant.values):
             buf, stride = _flat(a)
@@ -163,7 +168,7 @@ class NativeRowOps:
         if full.pinned is None or full.keys.dtype not in _HOST_DTYPES:
             return None
         n_mid = quant.length if quant is not None else 0
-        if n_mid and quant.kind != "quant":
+        if n_mid and not self._per_token(quant):
             return None
         kf = full.pinned[0][0]
         H, _, D = kf.shape
@@ -211,7 +216,7 @@ class NativeRowOps:
         (<= 0) positions, re-quantised (kernels/kv_rows.move_keys); values as stored."""
         from chatapp.kernels.kv_rows import compact_rows, move_keys
 
-        if quant.kind != "quant" or quant.keys is None or quant.shared or not len(keep):
+        if not self._per_token(quant) or quant.keys is None or quant.shared or not len(keep):
             return self._count("select", False)
         keep = np.ascontiguousarray(keep, np.int64)
         deltas = np.ascontiguousarray(deltas, np.int64)
