@@ -36,8 +36,9 @@ def cpu_backend_lines(cpu) -> list[str]:
             from chatapp.backend.fused_support import FUSED_MODEL_TYPES
 
             lines.append(f"fused decode: one native call per token for {'/'.join(FUSED_MODEL_TYPES)} models with "
-                         "kernel-readable projections and a prealloc cache "
-                         "(every such projection then takes the kernel)"
+                         "kernel-readable projections and a segmented cache (prealloc and every policy over it; "
+                         "their flushes and evictions in place on the host buffers; every such projection then "
+                         "takes the kernel)"
                          if cpu.fused_decode else "fused decode: off (cpu.fused_decode = false)")
             if cpu.fused_decode:
                 from chatapp.backend.fused_settings import numerics_line

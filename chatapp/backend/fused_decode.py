@@ -590,7 +590,7 @@ def uninstall_fused_decode(model: nn.Module) -> None:
 
 
 def cache_kv_dtype(model) -> mx.Dtype | None:
-    """The dtype of the K/V buffers the fused routes give ``model``'s prealloc caches (float16
+    """The dtype of the K/V buffers the fused routes give ``model``'s caches (float16
     under cpu.kv_dtype auto with F16C), or None when the model is not fused (its caches then
     hold what the model computes)."""
     dec = getattr(model, "_chatapp_fused", None)
