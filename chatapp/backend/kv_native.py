@@ -170,12 +170,16 @@ class NativeRowOps:
         n_mid = quant.length if quant is not None else 0
         if n_mid and not self._per_token(quant):
             return None
+        from chatapp.kernels.kv_rows import load_rows
+
         kf = full.pinned[0][0]
-        H, _, D = kf.shape
+        H, cap, D = kf.shape
         s = min(sinks, full.length)
         out = np.empty((H, full.length + n_mid, D), np.float32)
-        out[:, :s] = kf[:, :s]
-        out[:, s + n_mid:] = kf[:, s:full.length]
+        buf, stride = _flat(full.keys)
+        for h in range(H):  # (numpy's float16 conversion is scalar: a numba loop vectorises)
+            load_rows(buf, h * stride, s * D, out[h, :s].reshape(-1))
+            load_rows(buf, h * stride + s * D, (full.length - s) * D, out[h, s + n_mid:].reshape(-1))
         if n_mid:
             (p, ps), (sc, ss), (bi, _) = (_flat(a) for a in quant.keys)
             mid = np.empty(n_mid * D, np.float32)
@@ -197,16 +201,16 @@ class NativeRowOps:
         heads, L, _ = queries.shape
         G = heads // H
         mass = np.empty((H, N), np.float32)
-        # query l sees the keys up to its own token, N - L + l
-        hidden = np.arange(N)[None] > (N - L + np.arange(L))[:, None]
+        # query l sees the keys up to its own token, N - L + l: only the last L columns hide any
+        hidden = np.arange(L)[None] > np.arange(L)[:, None]
         for h in range(H):
             q = (queries[h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)).reshape(G * L, D)
-            s = (q @ keys[h].T).reshape(G, L, N)
-            s[:, hidden] = -np.inf
-            s -= s.max(axis=-1, keepdims=True)
+            s = q @ keys[h].T
+            s.reshape(G, L, N)[:, :, N - L:][:, hidden] = -np.inf
+            s -= s.max(axis=1, keepdims=True)
             np.exp(s, out=s)
-            s /= s.sum(axis=-1, keepdims=True)
-            mass[h] = s.sum(axis=(0, 1))
+            # each row's softmax summed over the rows: the rows' reciprocal sums times s (one GEMV)
+            mass[h] = (np.float32(1.0) / s.sum(axis=1)) @ s
         self._count("votes", True)
         return mass
 

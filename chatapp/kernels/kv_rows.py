@@ -252,3 +252,9 @@ def move_rows(buf, H, stride, D, keep, deltas, cos, sin, traditional):  # pragma
             if d:
                 _rope(x, D, cos[d], sin[d], traditional)
             _store(x, buf[base + j * D:base + (j + 1) * D])
+
+
+@njit(nogil=True, cache=True)
+def load_rows(buf, start, n, out):  # pragma: no cover - jitted
+    """out[:n] = buf[start:start + n] as float32 (float32, or float16 bits)."""
+    _load(buf[start:start + n], out[:n])
