@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .decode_step import apply_rope
 from .half import store_f32
 from .llvm import as_f32
 from .quant_split import dequant_rows
@@ -95,17 +96,6 @@ def quantize_rows(x, n, D, bits, group, packed, scales, biases):  # pragma: no c
 
 
 @njit(nogil=True, cache=True)
-def _rope(x, D, cos, sin, traditional):  # pragma: no cover - jitted
-    """Rotate x [D] float32 in place: pairs (2i, 2i+1) when ``traditional``, else (i, i + D/2)."""
-    half = D // 2
-    for i in range(half):
-        p, q = (2 * i, 2 * i + 1) if traditional else (i, i + half)
-        a, b = x[p], x[q]
-        x[p] = a * cos[i] - b * sin[i]
-        x[q] = a * sin[i] + b * cos[i]
-
-
-@njit(nogil=True, cache=True)
 def _load(src, x):  # pragma: no cover - jitted
     """x[:] = src as float32 (src a slice: float32, or uint16 float16 bits)."""
     for e in range(x.shape[0]):
@@ -135,7 +125,7 @@ def flush_rows(src, H, src_stride, start, n, D, turn, cos, sin, traditional, pac
             b0 = h * src_stride + (start + r) * D
             _load(src[b0:b0 + D], x)
             if turn:
-                _rope(x, D, cos, sin, traditional)
+                apply_rope(x, cos, sin, traditional)
                 _store(x, rounded)
                 _load(rounded, x)
             _quantize_row(x, D, bits, group, packed, h * p_stride + (row + r) * P, scales, biases,
@@ -163,7 +153,7 @@ def rotate_rows(buf, H, stride, start, end, D, cos, sin, traditional):  # pragma
             base = h * stride + r * D
             if traditional:
                 _load(buf[base:base + D], x)
-                _rope(x, D, cos, sin, traditional)
+                apply_rope(x, cos, sin, traditional)
                 _store(x, buf[base:base + D])
             else:
                 _turn_halves(buf[base:base + half], buf[base + half:base + D], cos, sin)
@@ -230,7 +220,7 @@ def move_keys(packed, scales, biases, H, p_stride, s_stride, keep, deltas, first
             _store(x, rounded)
             _load(rounded, x)
             d = -deltas[j]
-            _rope(x, D, cos[d], sin[d], traditional)
+            apply_rope(x, cos[d], sin[d], traditional)
             _store(x, rounded)
             _load(rounded, x)
             _quantize_row(x, D, bits, group, packed, pb + j * P, scales, biases, sb + j * ng, q4)
@@ -250,7 +240,7 @@ def move_rows(buf, H, stride, D, keep, deltas, cos, sin, traditional):  # pragma
                 continue
             _load(buf[base + r * D:base + (r + 1) * D], x)
             if d:
-                _rope(x, D, cos[d], sin[d], traditional)
+                apply_rope(x, cos[d], sin[d], traditional)
             _store(x, buf[base + j * D:base + (j + 1) * D])
 
 
