@@ -366,10 +366,15 @@ class SegmentedKVCache(_CacheBase):
         from_recent = n - from_quant
         if from_recent and (native is None or not native.remove(self.full, self.sinks, from_recent)):
             self.full.remove(self.sinks, from_recent)
-        if native is None or not native.rotate(self.full, self.sinks, -n):
-            self.full.rotate(self.sinks, -n, self.repos)
+        self._move_window(-n)
         self.evicted += n
         tally(self.evicted_by, self.mode, n)
+
+    def _move_window(self, delta: int) -> None:
+        """Turn the keys after the sinks by ``delta`` positions (in place where the native step
+        allows, else through MLX): what follows rows evicted before them."""
+        if self.native is None or not self.native.rotate(self.full, self.sinks, delta):
+            self.full.rotate(self.sinks, delta, self.repos)
 
     # ---- persistence ----------------------------------------------------------------------
     @property

@@ -316,9 +316,7 @@ class ScoredKVCache(SegmentedKVCache):
         keep_all, deltas_all = np.array(idx), np.array(deltas)
         in_mid = (keep_all >= s) & (keep_all < s + nq)
         if self.native is not None and self.native.select(q, keep_all[in_mid] - s, deltas_all[in_mid], first):
-            if self.native.rotate(self.full, self.sinks, -(nq - q.length)):
-                return
-            self.full.rotate(self.sinks, -(nq - q.length), self.repos)
+            self._move_window(-(nq - q.length))
             return
         pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
         keep = [i for i, _ in pairs]
@@ -341,7 +339,7 @@ class ScoredKVCache(SegmentedKVCache):
             keys = [mx.concatenate([p[j] for p in parts], axis=2) for j in range(3)] if len(parts) > 1 else parts[0]
             q.hold(keys, _take(packed_v, mx.array(keep, mx.int32)), len(keep))
         # the recent window after the middle moves back by all the tokens evicted
-        self.full.rotate(self.sinks, -(nq - len(keep)), self.repos)
+        self._move_window(-(nq - len(keep)))
 
     # ---- persistence: the segmented state plus the scores and the voters, so a restored cache
     # evicts as the saved one would: [keys, values(, 6 quantised arrays), scores(, queries)]

@@ -8,8 +8,8 @@ MLX each of those rewrote whole buffers. Measured on SmolLM2 (30 layers, 3 KV he
 so copied) 16.6, the window's left shift 62 (a slice update whose source is the same buffer
 copies it), and the next step re-reading every changed buffer's host views another 10. Here the
 rows are quantised by kernels/kv_rows.py (bit for bit ``mx.quantize``), written at the end of the
-middle, and the window moved back with one overlapping copy a head; the middle grows by half its
-capacity when full, so its views stay valid between growths.
+middle, and the window moved back in place; the middle doubles when full, so its views stay valid
+between growths.
 
 Each operation declines (returns False, and the cache goes through MLX) where it may not work in
 place: no host views (the buffers changed since the last native step), rows that a view handed
@@ -172,8 +172,7 @@ class NativeRowOps:
             return None
         from chatapp.kernels.kv_rows import load_rows
 
-        kf = full.pinned[0][0]
-        H, cap, D = kf.shape
+        H, D = full.keys.shape[1], full.keys.shape[3]
         s = min(sinks, full.length)
         out = np.empty((H, full.length + n_mid, D), np.float32)
         buf, stride = _flat(full.keys)
@@ -258,7 +257,8 @@ class NativeRowOps:
         return self._count("select_full", True)
 
     def _shift_table(self, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos/sin [max shift + 1, D/2]: row d turns a key back by d positions."""
-        shifts = np.arange(int(-deltas.min()) + 1 if len(deltas) else 1, dtype=np.float32)
-        theta = -shifts[:, None] * self.inv_freq[None]
-        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+        """cos/sin [max shift + 1, D/2]: row d turns a key back by d positions (the prefill's
+        table of positions 0 .. max shift, with the frequencies negated)."""
+        from chatapp.kernels.prefill_step import rope_table
+
+        return rope_table(0, int(-deltas.min()) + 1 if len(deltas) else 1, -self.inv_freq)
