@@ -22,6 +22,7 @@ import numpy as np
 from numba import njit
 
 from .llvm import as_f32, byte_to_f32, exp2_int, hi_nibble, lo_nibble, prefetch
+from .microkernels import max16
 from .pool import chunk_done, claim
 from .views import rows_of
 
@@ -94,8 +95,9 @@ def _scores_quant(q, qsum, packed, scales, biases, bits, group_size, scale, s): 
 def softmax_max_inplace(s):  # pragma: no cover - jitted
     """s <- exp(s - max(s)); returns (max, sum): the caller divides once at the end, and a split
     attention (group_attention.py) merges its parts by their maxima."""
-    m = s[0]
-    for n in range(1, s.shape[0]):
+    n16 = s.shape[0] // 16 * 16
+    m = max16(s, n16) if n16 else s[0]
+    for n in range(n16, s.shape[0]):
         m = max(m, s[n])
     tot = np.float32(0.0)
     for n in range(s.shape[0]):

@@ -43,14 +43,18 @@ from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
 from .llvm import atomic_add
 from .microkernels import A_ROWS
-from .quant_split import QTILE, attend_quant_split
+from .qk_int import INT_SCORES
+from .quant_split import attend_quant_split
 from .rows4 import ROWS, q4_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 PHASES = 5
 # the bits of token_step's ``fast``: which products of a layer run on int8 activations
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
-FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN
+# ...and the attention's scores against a quantised middle on integers (16-bit queries, qk_int.py;
+# where the CPU has vpdpbusd)
+FAST_ATTN = 32
+FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN | FAST_ATTN
 # down_proj on 16-bit activations (two int8 planes, int8dot.make_rows_i8(planes=2)) where FAST_DOWN
 # is not set, on request (FusedDecoder.set_fast(decode_down="wide"); the prefill's is
 # prefill_step.PREFILL_DOWN_WIDE, the same bit): its input silu(gate) x up has the widest range, and
@@ -322,13 +326,16 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     per = (n_keys + S - 1) // S
     per_q = (n_quant + Sq - 1) // Sq if Sq else 0
     G4 = (G + A_ROWS - 1) // A_ROWS * A_ROWS
-    L = max(per + 1, per_q)
+    # rows of s 64-byte aligned: P V reads them as it goes, and a row that starts mid-line cost
+    # the quantised units ~2x their P V
+    L = (max(per + 1, per_q) + 15) // 16 * 16
     s = np.empty(G4 * L, np.float32)
     o = np.empty(G4 * D, np.float32)
     qg = np.empty(G * D, np.float32)
     kr = np.empty(D, np.float32)
-    kt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
-    vt = np.empty(QTILE * D if n_quant > 0 else 0, np.float32)
+    w = np.empty(G4 * L if n_quant > 0 else 0, np.float32)
+    qx = np.empty(2 * G * D if n_quant > 0 and (fast & FAST_ATTN) != 0 and INT_SCORES else 0, np.int8)
+    qp = np.empty(2 * G * (D // 32) + A_ROWS, np.float32)
     q_base = np.empty(6, np.int64)
     while True:
         c = phase_claim(ctl, 1, n_units)
@@ -353,7 +360,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                 q_base[i] = kh * q_stride[i]
             a = (sp - S) * per_q
             attend_quant_split(qg, G, D, quant, q_base, a, min(n_quant, a + per_q), q_bits, q_group,
-                               scale, s, L, o, part, u * G * (D + SLOT), kt, vt)
+                               scale, s, L, o, part, u * G * (D + SLOT), w, qx, qp)
             phase_done(ctl, 1)
             continue
         for e in range(D):  # (a loop: ``kr[:] = ...``'s shape-mismatch error path compiles ~3 s, views.py)

@@ -10,15 +10,20 @@ group), read here as stored: no dequantised copy of the history. Softmax is orde
 two parts need not be in sequence order: each unit leaves its max, its sum of exp and its
 unnormalised output, and the merge weighs them as it weighs the full splits.
 
-A unit walks its rows a tile of QTILE at a time: the tile's keys are dequantised into float32
-scratch that stays in L1 (16 values per vector load, convert and FMA: simd.dequant16), then every
-query head of the KV head meets them 16 keys at a time (group_attention's ``_scores``: one pass
-over the tile for all G heads); the values likewise, under the P V outer-product kernel. The
-first version took one dot product per (head, key, group) with a horizontal sum each, reading
-every row G times. Measured on Zen 1 (SmolLM2's 3 heads of 64 a KV head, 1,800 rows): 112 ns a
-row at 8 bits and 326 at 4 then; float16 rows take 88 through attend_split, and the tiles add
-~26 (8 bits) or ~36 (4 bits) of dequantisation. Written as numba loops with the group size a
-runtime value, that dequantisation stayed scalar (72-95 ns a row of 64).
+Nothing is dequantised. With affine rows k = s q + b (per group), a score is, per group,
+s (query . q) + b sum(query): the raw dot of the query with the row's unsigned integers, then
+one scale and one bias per group. Where the CPU has ``vpdpbusd`` and the decode runs on fast
+numerics (decode_step.FAST_ATTN) those raw dots run on integers against the query split into two
+int8 planes, and each 16 rows' scales and biases are applied in the same kernel (qk_int.py);
+elsewhere on floats, 16 keys per microkernels.dots16 call over the bytes or nibbles as stored.
+P V likewise: o += sum_r (p_r s_r) q_r + (sum_r p_r b_r), the outer-product kernel reading each
+row's integers and its scale as it goes (microkernels.outer_q*), the bias sums added per group.
+
+Until stop 44 each tile of 64 rows was dequantised into float32 scratch (simd.dequant16) and met
+by the float kernels, a conversion and an FMA per element more, twice. Measured on Zen 4 (2 vCPUs,
+2,048 rows in L2, medians of 15 interleaved rounds, ns a row): SmolLM2's KV head (3 heads of 64)
+8-bit 22.5 -> 15.1, 4-bit 25.2 -> 17.9; Llama-2-7B's (1 head of 128, groups of 64) 8-bit
+44.7 -> 15.0, 4-bit 54.5 -> 20.7; float16 rows through attend_split: 14.7-15.3.
 
 The middle's keys sit ``delta_q`` positions further on than their compacted positions (cache/kv.py:
 an eviction moves the quantised keys by a single delta that is applied to the queries instead of
@@ -28,15 +33,31 @@ re-quantising them), so its scores use the queries roped at position + delta_q: 
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
-from .attention import accumulate_full, scores_full, softmax_max_inplace
-from .group_attention import SLOT, _pv, _scores, pv_shape
+from .attention import softmax_max_inplace
+from .group_attention import SLOT, pv_shape
 from .llvm import as_f32
+from .microkernels import (
+    A_ROWS,
+    dots16_u4,
+    dots16_u8,
+    outer_q4_1x32,
+    outer_q4_1x64,
+    outer_q4_2x32,
+    outer_q4_2x64,
+    outer_q4_4x32,
+    outer_q4_4x64,
+    outer_q8_1x32,
+    outer_q8_1x64,
+    outer_q8_2x32,
+    outer_q8_2x64,
+    outer_q8_4x32,
+    outer_q8_4x64,
+)
+from .qk_int import int_layout, qscores16, quantise_queries
 from .simd import dequant16
-from .views import rows_of
-
-QTILE = 64  # quantised rows dequantised at a time: 64 x 128 float32 = 32 KiB of keys or values
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -56,43 +77,156 @@ def dequant_rows(packed, scales, biases, p_base, s_base, r0, n, bits, group_size
                 dequant16(packed, p_base + r * P + c * bits // 8, out, i * D + c, s, b, bits)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _value(packed, e, bits):  # pragma: no cover - jitted
+    """Quantised value (element) e of a packed buffer, as float32."""
+    if bits == 8:
+        return np.float32(packed[e])
+    b = packed[e >> 1]
+    return np.float32(b & 15 if e % 2 == 0 else b >> 4)
+
+
+@njit(nogil=True, cache=True)
+def _dots_q(bits, qg, q_off, packed, e0, D, length, out, o_off):  # pragma: no cover - jitted
+    """out[o_off + i] = qg[q_off:q_off + length] . the raw values at packed elements e0 + i * D
+    (i < 16): microkernels.dots16 on the bytes or nibbles as stored."""
+    if bits == 8:
+        dots16_u8(qg, q_off, packed, e0, D, length, np.float32(1.0), out, o_off)
+    else:
+        dots16_u4(qg, q_off, packed, e0, D, length, np.float32(1.0), out, o_off)
+
+
+@njit(nogil=True, cache=True)
+def _pv_q(bits, rows, width, p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, n, bsum,
+          bs_off):  # pragma: no cover - jitted
+    """microkernels' outer_q kernel of this shape: o[i, 0:width] += sum_r p[i, r] x row r's group
+    scale x its integers at element e0 + r * D (i < rows, p rows L apart, o rows D apart), and
+    bsum[bs_off + i] = sum_r p[i, r] x row r's group bias (scales and biases at x0 + r * ng)."""
+    if bits == 8:
+        if rows == 1:
+            if width == 64:
+                outer_q8_1x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+            else:
+                outer_q8_1x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+        elif rows == 2:
+            if width == 64:
+                outer_q8_2x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+            else:
+                outer_q8_2x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+        elif width == 64:
+            outer_q8_4x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+        else:
+            outer_q8_4x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+    elif rows == 1:
+        if width == 64:
+            outer_q4_1x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+        else:
+            outer_q4_1x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+    elif rows == 2:
+        if width == 64:
+            outer_q4_2x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+        else:
+            outer_q4_2x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+    elif width == 64:
+        outer_q4_4x64(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+    else:
+        outer_q4_4x32(p, p_off, L, packed, e0, D, sc, bi, x0, ng, o, o_off, D, n, bsum, bs_off)
+
+
+def param_size(G: int, D: int) -> int:
+    """Floats of attend_quant_split's ``qp`` scratch for G query heads of D dims."""
+    return 2 * G * (D // 32) + A_ROWS
+
+
 @njit(fastmath=True, nogil=True, cache=True)
-def attend_quant_split(qg, G, D, quant, q_base, a, b, bits, group_size, scale, s, L, o, part, p0, kt,
-                       vt):  # pragma: no cover - jitted
+def _combine(dst, raw, sc, bi, f_raw, f_bias, first):  # pragma: no cover - jitted
+    """dst (= or +=) f_raw * sc * raw + f_bias * bi elementwise: one group's share of the scores
+    (slices, so that the loop vectorises; sc / bi float32 or float16 bits)."""
+    for i in range(dst.shape[0]):
+        v = f_raw * as_f32(sc[i]) * raw[i] + f_bias * as_f32(bi[i])
+        dst[i] = v if first else dst[i] + v
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def attend_quant_split(qg, G, D, quant, q_base, a, b, bits, group_size, scale, s, L, o, part, p0, w, xq,
+                       qp):  # pragma: no cover - jitted
     """One unit over quantised rows a .. b - 1 of one KV head: the G query heads qg [G * D]
     (roped at the middle's position, unscaled); ``quant`` = (k packed bytes, k scales, k biases,
     v packed bytes, v scales, v biases) flat per-head buffers, the head's rows starting at element
     ``q_base[i]`` of each. Leaves in part, from p0, per head g: max, sum of exp, then the D
-    unnormalised outputs. s [G4 * L] (L >= b - a) and o [G4 * D] are the caller's scratch as
-    attend_split's (G4: G rounded up to the P V kernel's rows), kt / vt [QTILE * D] float32."""
+    unnormalised outputs. s [G4 * L] (L >= b - a), o [G4 * D] and w [G4 * L] are the caller's
+    float32 scratch (G4: G rounded up to the P V kernel's rows, as attend_split's), qp
+    [param_size(G, D)] float32. xq [2 * G * D] int8: the scores on integers (qk_int.py, where
+    the CPU has vpdpbusd and the layout is one it serves); xq empty: on floats.
+
+    Nothing is dequantised: a key row's score is, per group, its scale times the query's dot with
+    the row's unsigned integers plus its bias times the sum of the query's elements in the group;
+    P V runs on the values' integers, P times each row's group scale, and adds each group's bias
+    times P's sum over the rows."""
     kq, ks, kb, vq, vs, vb = quant
     n = b - a
-    for t0 in range(0, n, QTILE):
-        m = min(QTILE, n - t0)
-        dequant_rows(kq, ks, kb, q_base[0], q_base[1], a + t0, m, bits, group_size, D, kt)
-        if D % 16 == 0:
-            _scores(qg, G, D, kt, 0, 0, m, scale, s[t0:], L)
-        else:
+    ng = D // group_size
+    n16 = n // 16 * 16
+    P = D * bits // 8
+    ek, sk = q_base[0] * 8 // bits, q_base[1]
+    if xq.shape[0] > 0 and int_layout(bits, group_size, D):
+        quantise_queries(qg, G, D, bits, group_size, scale, xq, qp)
+        for i in range(0, n16, 16):
             for g in range(G):
-                scores_full(qg[g * D:(g + 1) * D], rows_of(kt, 0, m, D), scale, s[g * L + t0:g * L + t0 + m])
+                qscores16(bits, group_size, D, xq, g * 2 * D, kq, q_base[0] + (a + i) * P, P, ks, kb,
+                          sk + (a + i) * ng, qp, g * 2 * ng, s, g * L + i)
+    else:
+        for grp in range(ng):
+            e0 = grp * group_size
+            # w[g * L + i]: the query's dot with row a + i's integers of this group
+            for i in range(0, n16, 16):
+                for g in range(G):
+                    _dots_q(bits, qg, g * D + e0, kq, ek + (a + i) * D + e0, D, group_size, w, g * L + i)
+            x0, x1 = sk + a * ng + grp, sk + n16 * ng + a * ng + grp
+            for g in range(G):
+                qsum = np.float32(0.0)
+                for e in range(e0, e0 + group_size):
+                    qsum += qg[g * D + e]
+                if ng == 1:
+                    _combine(s[g * L:g * L + n16], w[g * L:g * L + n16], ks[x0:x1], kb[x0:x1], scale,
+                             scale * qsum, True)
+                else:
+                    _combine(s[g * L:g * L + n16], w[g * L:g * L + n16], ks[x0:x1:ng], kb[x0:x1:ng], scale,
+                             scale * qsum, grp == 0)
+    for i in range(n16, n):  # the tail, a row at a time, on floats
+        r = a + i
+        for g in range(G):
+            acc = np.float32(0.0)
+            for grp in range(ng):
+                d = np.float32(0.0)
+                qsum = np.float32(0.0)
+                for e in range(grp * group_size, (grp + 1) * group_size):
+                    d += qg[g * D + e] * _value(kq, ek + r * D + e, bits)
+                    qsum += qg[g * D + e]
+                x = sk + r * ng + grp
+                acc += as_f32(ks[x]) * d + as_f32(kb[x]) * qsum
+            s[g * L + i] = acc * scale
     for g in range(G):
         mx, tot = softmax_max_inplace(s[g * L:g * L + n])
         part[p0 + g * (D + SLOT)] = mx
         part[p0 + g * (D + SLOT) + 1] = tot
     rows, width = pv_shape(G, D)
+    width = min(width, group_size, 64)
     o[:] = 0.0
     for g in range(G, (G + rows - 1) // rows * rows):
         s[g * L:g * L + n] = 0.0  # rows past the group: the kernel reads ``rows`` at a time
-    for t0 in range(0, n, QTILE):
-        m = min(QTILE, n - t0)
-        dequant_rows(vq, vs, vb, q_base[3], q_base[4], a + t0, m, bits, group_size, D, vt)
-        if width:
-            for g0 in range(0, G, rows):
-                for e in range(0, D, width):
-                    _pv(rows, width, s, g0 * L + t0, L, vt, e, D, o, g0 * D + e, m, 1)
-        else:
-            for g in range(G):
-                accumulate_full(s[g * L + t0:g * L + t0 + m], rows_of(vt, 0, m, D), o[g * D:(g + 1) * D])
+    ev, sv = q_base[3] * 8 // bits, q_base[4]
+    bs = 2 * G * ng  # qp's tail: the bias sums of a call's rows
+    for grp in range(ng):
+        e0 = grp * group_size
+        for g0 in range(0, G, rows):
+            for e in range(e0, e0 + group_size, width):
+                _pv_q(bits, rows, width, s, g0 * L, L, vq, ev + a * D + e, D, vs, vb, sv + a * ng + grp, ng, o,
+                      g0 * D + e, n, qp, bs)
+            for g in range(g0, min(G, g0 + rows)):
+                t = qp[bs + g - g0]
+                for e in range(e0, e0 + group_size):
+                    o[g * D + e] += t
     for g in range(G):
         dst = p0 + g * (D + SLOT) + SLOT
         for e in range(D):
