@@ -43,7 +43,8 @@ CASES: dict[str, tuple[list[str], Path | None, bool]] = {
     "prefix": (["--models", "stories", "--stories", str(STORIES_4BIT), "--system-tokens", "64", "--repeats", "1",
                 "--max-tokens", "2"], STORIES_4BIT, True),
     # the first-start variants compile every kernel from an empty cache (minutes): the later start only
-    "start": (["--variants", "later start", "--numba-cache", "inherit", "--repeats", "1", "--no-llama-cpp"],
+    "start": (["--variants", "later start,later start to the input box,later start to the model ready",
+               "--numba-cache", "inherit", "--repeats", "1", "--no-llama-cpp"],
               SMOLLM2, False),
     # 1 rank and 2 ranks under mlx.launch (ring over loopback)
     "distributed": (["--model", str(STORIES), "--contexts", "16", "--decode-tokens", "2"], STORIES, True),

@@ -554,6 +554,64 @@ async def test_help_config_and_palette(stories4_path):
         assert all(f"Cache mode: {m}" in titles for m in MODES)
 
 
+def gate_load(app, before=None):
+    """Hold the app's model load on the engine thread until the returned event is set (``before``
+    runs first there, with the bridge's emit)."""
+    import threading
+
+    gate = threading.Event()
+    load = app.bridge.make_session
+
+    def held(emit):
+        if before is not None:
+            before(emit)
+        assert gate.wait(60), "the test never released the load"
+        return load(emit)
+
+    app.bridge.make_session = held
+    return gate
+
+
+@async_test
+async def test_the_input_box_takes_messages_while_the_model_loads(stories4_path):
+    """A later start shows the chat at once: the input box is focused under a loading title, a
+    message typed meanwhile is queued, and it is sent, in its place, once the model is ready."""
+    app = make_app(stories4_path)
+    gate = gate_load(app)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await pilot.pause()
+        assert not app.loaded and not isinstance(app.screen, LoadingScreen)
+        box = app.query_one(ChatInput)
+        assert box.has_focus and "loading" in str(box.border_title)
+        assert "loading" in app.query_one(StatusBar).plain
+        assert not app.check_action("new_chat", ()) and app.check_action("show_config", ())
+        await type_and_send(pilot, "Once upon a time")
+        queued = [w for w in app.query(UserMessage) if "queued" in w.tags]
+        assert [w.text for w in queued] == ["Once upon a time"] and box.text == ""
+        gate.set()
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the queued reply")
+        assert not app.queued and [w.text for w in app.query(UserMessage)] == ["Once upon a time"]
+        assert not any("queued" in w.tags for w in app.query(UserMessage))
+        assert len(replies(app)) == 1 and replies(app)[0].text
+        assert app.check_action("new_chat", ()) and "Enter sends" in str(box.border_title)
+
+
+@async_test
+async def test_a_download_gets_the_loading_screen(stories4_path):
+    """Only a download (minutes, on a first run) covers the chat with the progress screen."""
+    from chatapp.engine.events import LoadProgress
+
+    app = make_app(stories4_path)
+    gate = gate_load(app, lambda emit: emit(LoadProgress("download", "downloading model.safetensors: file 1 of 2",
+                                                         42.0)))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, LoadingScreen), what="the loading screen")
+        assert "file 1 of 2" in await screen_text(pilot)
+        gate.set()
+        await ready(pilot)
+        assert not isinstance(app.screen, LoadingScreen) and app.query_one(ChatInput).has_focus
+
+
 @async_test
 async def test_load_failure_is_a_message_not_a_traceback(tmp_path):
     app = ChatApp(load_config(overrides={"model.id": str(tmp_path)}))

@@ -7,7 +7,11 @@ turn), with numba's disk cache (``NUMBA_CACHE_DIR``) pointed at:
 - ``first start``: an empty folder, ``cpu.precompile = true`` (the app's default: the fused prefill
   kernel compiles in a second process meanwhile, backend/precompile.py);
 - ``first start, one process``: an empty folder, ``cpu.precompile = false`` (as before stop 27);
-- ``later start``: a folder a first run filled (untimed).
+- ``later start``: a folder a first run filled (untimed);
+- ``later start to the input box`` and ``later start to the model ready``: the TUI itself (``chatapp -m
+  MODEL``, headless) on that folder, from the launch to the chat screen painted with its input
+  box focused (the model loads under it; messages typed meanwhile are queued), and to the model
+  loaded and the session prepared: the app reports each and exits (ui/start_probe.py).
 
 With llama-cpp-python importable, ``llama.cpp`` is the peer: a process that loads the same GGUF
 and generates one token (it ships compiled: it has no first start). Variants alternate, the
@@ -30,8 +34,10 @@ from pathlib import Path
 
 from chatapp.bench.common import SMOLLM2_GGUF
 from chatapp.bench.report import BenchReport, emit
+from chatapp.ui import start_probe
 
-VARIANTS = ("first start", "first start, one process", "later start")
+TUI_VARIANTS = {"later start to the input box": "input", "later start to the model ready": "ready"}
+VARIANTS = ("first start", "first start, one process", "later start", *TUI_VARIANTS)
 _LLAMA = ("import sys\nfrom llama_cpp import Llama\n"
           "m = Llama(model_path=sys.argv[1], n_threads=int(sys.argv[2]), verbose=False)\n"
           "m.create_completion('Hi', max_tokens=1)\n")
@@ -72,6 +78,24 @@ def _chatapp_run(args, tmp: Path, cache_dir: Path | None, precompile: bool) -> f
     return seconds
 
 
+def _tui_run(args, tmp: Path, cache_dir: Path | None, milestone: str) -> float:
+    """One launch of the TUI to ``milestone`` (start_probe.MILESTONES), seconds as the app measured them."""
+    config = tmp / "tui.toml"
+    config.write_text(f"[cpu]\nthreads = {args.threads}\n")
+    cmd = [sys.executable, "-m", "chatapp", "--no-save", "--data-dir", str(tmp / "data"), "--config", str(config),
+           "-m", args.model]
+    env = dict(os.environ, **{start_probe.ENV_AT: milestone, start_probe.ENV_T0: repr(time.time())})
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache_dir)
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    for line in out.stderr.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == start_probe.LINE and parts[1] == milestone:
+            return float(parts[2])
+    raise SystemExit(f"start bench: the TUI never reached {milestone!r} ({out.returncode}): "
+                     f"{out.stderr.strip()[-500:]}")
+
+
 def _llama_run(args) -> float:
     threads = args.threads or os.cpu_count() or 1
     t0 = time.perf_counter()
@@ -94,7 +118,7 @@ def run(args) -> int:
             warm = None
         else:
             warm = Path(args.numba_cache) if args.numba_cache else tmp / "numba-warm"
-        if "later start" in peers:
+        if any(p.startswith("later start") for p in peers):
             _chatapp_run(args, tmp, warm, precompile=True)  # fills the later starts' cache, untimed
         for r in range(args.repeats):
             order = peers[r % len(peers):] + peers[:r % len(peers)]
@@ -103,6 +127,8 @@ def run(args) -> int:
                     t = _llama_run(args)
                 elif peer == "later start":
                     t = _chatapp_run(args, tmp, warm, precompile=True)
+                elif peer in TUI_VARIANTS:
+                    t = _tui_run(args, tmp, warm, TUI_VARIANTS[peer])
                 else:
                     t = _chatapp_run(args, tmp, tmp / f"numba-cold-{r}-{len(times[peer])}-{peer[-7:]}",
                                      precompile=peer == "first start")
@@ -110,7 +136,7 @@ def run(args) -> int:
                 print(f"# round {r + 1}: {peer}: {t:.2f} s", flush=True)
     ref = "first start, one process" if "first start, one process" in peers else peers[0]
     base = statistics.median(times[ref])
-    rep = BenchReport("start: launch to the first reply's exit, seconds (medians)",
+    rep = BenchReport("start: launch to the first reply's exit (TUI rows: to the milestone), seconds (medians)",
                       ["run", "median s", "min s", f"x {ref}"])
     for peer in peers:
         med = statistics.median(times[peer])
@@ -118,7 +144,9 @@ def run(args) -> int:
     rep.meta.update(model=args.model, repeats=args.repeats, threads=args.threads or os.cpu_count(),
                     cpus=os.cpu_count(), times=times,
                     method="each run its own process, launch to exit (imports, load, CPU plan and kernel "
-                           "warm-up, one turn of 1 token); NUMBA_CACHE_DIR empty for first starts, filled for later "
-                           "ones; peers alternate, the order rotating each round")
+                           "warm-up, one turn of 1 token); the TUI rows launch to the input box painted and focused, "
+                           "or to the model ready, as the app reports them (ui/start_probe.py); NUMBA_CACHE_DIR "
+                           "empty for first starts, filled for later ones; peers alternate, the order rotating "
+                           "each round")
     emit(rep, args.json)
     return 0

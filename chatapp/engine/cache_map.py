@@ -19,7 +19,6 @@ import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from cache.layers import primary
 from cache.usage import layer_usage
 
 # The states a message's marker shows, in the order the legend lists them.
@@ -104,6 +103,8 @@ def layout_of(caches: Sequence[Any], tokens: int, restored: int = 0) -> CacheLay
     """The layout of a session's caches (``session.caches``) representing ``tokens`` positions."""
     if not caches:
         return CacheLayout(tokens=0)
+    from cache.layers import primary  # here: it imports mlx-lm, which the UI's first screen need not wait for
+
     c = primary(caches)
     usage = layer_usage(c)
     evicted = int(usage.evicted)

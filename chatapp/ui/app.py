@@ -34,6 +34,7 @@ from chatapp.engine.events import SessionInfo, TranscriptLoaded
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
+from . import start_probe
 from .bridge import EngineBridge
 from .coalesce import Coalescer
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
@@ -136,11 +137,14 @@ class ChatApp(ComfortActions, EngineLinkApp):
         chat_input.border_title = INPUT_TITLE
         if self.freeze_stats:
             chat_input.cursor_blink = False
+        chat_input.focus()
+        self._update_input_state()
         self._update_status()
         self.set_interval(max(self.config.ui.render_interval_ms, 10) / 1000, self._flush_stream)
-        self.loading_screen = LoadingScreen(self.model_id)
-        await self.push_screen(self.loading_screen)
+        # The model loads on the engine thread under the chat: the input box takes messages at
+        # once (queued until the model is ready); only a download gets the loading screen.
         self.bridge.start()
+        self.call_after_refresh(start_probe.reached, "input")
 
     def _current_conversation(self) -> int | None:
         chat = self.bridge.chat  # an int read from the engine thread's object: no lock needed
@@ -203,7 +207,11 @@ class ChatApp(ComfortActions, EngineLinkApp):
         if not text:
             return  # empty and whitespace-only messages are ignored
         if not self.loaded:
-            self.notify("the model is still loading", severity="warning", markup=False)
+            if self.load_error:
+                self.notify("the model could not be loaded", severity="error", markup=False)
+                return
+            message.chat_input.clear()
+            await self._queue(text)  # sent once the model is loaded
             return
         if self.editing:
             if self._refuse_busy("not resent"):
@@ -399,9 +407,14 @@ class ChatApp(ComfortActions, EngineLinkApp):
     MAIN_ACTIONS = frozenset({"cancel", "new_chat", "regenerate", "edit_last", "clear", "toggle_panel",
                               "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"}) | COMFORT_ACTIONS
 
+    # ...and those that need no model: the ones open while it loads under the chat
+    LOADING_ACTIONS = frozenset({"cancel", "toggle_panel", "show_config"})
+
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_ACTIONS and len(self.screen_stack) > 1:
             return action == "show_config" and isinstance(self.screen, LoadingScreen)
+        if action in self.MAIN_ACTIONS and not self.loaded:
+            return action in self.LOADING_ACTIONS
         return True
 
     # ---- command palette -----------------------------------------------------------------------------------
@@ -437,7 +450,7 @@ def run_tui(config, blas=None, verbose: bool = False, resume: int | str | None =
     ``resume`` (a conversation id or "latest") continues a saved conversation; ``save=False``
     keeps the chat in memory only (``--no-save``)."""
     app = ChatApp(config, blas=blas, verbose=verbose, resume=resume, save=save)
-    result = app.run()
+    result = app.run(headless=start_probe.active())
     if verbose:
         for message, detail in app.failures:
             print(f"chatapp: {message}", file=sys.stderr)

@@ -24,6 +24,7 @@ from chatapp.engine.events import SessionInfo
 from chatapp.engine.requests import Compare, EditLast, Regenerate, Request, Send
 from chatapp.engine.stats import CacheView, TurnStats
 
+from . import start_probe
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
 from .markers import CacheNotice, apply_markers
 from .messages import (
@@ -48,6 +49,7 @@ from .messages import (
     TranscriptMessage,
     TurnDoneMessage,
 )
+from .screens import LoadingScreen
 from .widgets import (
     AssistantMessage,
     ChatInput,
@@ -62,6 +64,7 @@ from .widgets import (
 INPUT_TITLE = "message · Enter sends · Ctrl+J new line"
 BUSY_TITLE = "reply streaming · Enter queues your message · Esc stops"
 EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
+LOADING_TITLE = "the model is loading · Enter queues your message · Ctrl+Q quits"
 
 
 @dataclass
@@ -79,11 +82,19 @@ class EngineLinkApp(App[int]):
         self.event_log.append(message.kind)
 
     @on(LoadingMessage)
-    def _on_loading(self, message: LoadingMessage) -> None:
+    async def _on_loading(self, message: LoadingMessage) -> None:
         self._seen(message)
         ev = message.event
+        if self.loading_screen is None and not self.loaded and ev.phase == "download":
+            # a download takes minutes: its own screen with a progress bar (a later start loads
+            # under the chat, whose input box takes messages from the first frame on)
+            self.loading_screen = LoadingScreen(self.model_id)
+            await self.push_screen(self.loading_screen)
         if self.loading_screen is not None:
             self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
+        elif not self.loaded:
+            self.phase = f"loading: {ev.detail}"
+            self._update_status()
         elif self.model_dialog is not None:  # a switch compiling the new model's kernels
             self.model_dialog.progress(ev.detail)
 
@@ -201,8 +212,21 @@ class EngineLinkApp(App[int]):
         if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
             self.notify(self.blas.summary(), markup=False)
         self._describe(ev.info)
+        if self.queued:  # typed while loading: after what the load showed, then sent in turn
+            texts = [w.text for w in self.queued]
+            for widget in self.queued:
+                if widget.is_attached:
+                    await widget.remove()
+            self.queued = []
+            for text in texts:
+                await self._queue(text)
+            if not self.bridge.busy:
+                await self._send_queued()
         self.query_one(ChatInput).focus()
+        self.refresh_bindings()  # the main actions a load held back (ChatApp.check_action)
+        self._update_input_state()
         self._update_status()
+        start_probe.reached("ready")
 
     def _describe(self, info: SessionInfo | None) -> None:
         """A state change's event came with the session it produced: show it (no second request)."""
@@ -281,8 +305,12 @@ class EngineLinkApp(App[int]):
             self._session_info(ev.info)
         if not self.loaded:
             self.load_error = ev.message
+            self.phase = "not loaded"
             if self.loading_screen is not None:
                 self.loading_screen.fail(ev.message)
+            else:  # loading went on under the chat: the failure gets the loading screen's page
+                self.loading_screen = LoadingScreen(self.model_id, error=ev.message)
+                self.push_screen(self.loading_screen)
             self.notify(ev.message, title="could not load the model", severity="error", markup=False,
                         timeout=30)
             return
@@ -487,7 +515,8 @@ class EngineLinkApp(App[int]):
         busy = self.bridge.busy
         chat_input.set_class(busy, "busy")
         chat_input.set_class(self.editing, "editing")
-        chat_input.border_title = EDIT_TITLE if self.editing else BUSY_TITLE if busy else INPUT_TITLE
+        chat_input.border_title = (LOADING_TITLE if not self.loaded else EDIT_TITLE if self.editing
+                                   else BUSY_TITLE if busy else INPUT_TITLE)
 
     async def _send_queued(self) -> None:
         widget = self.queued.pop(0)

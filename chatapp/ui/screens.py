@@ -60,10 +60,15 @@ class LoadingScreen(Screen):
 
     BINDINGS = [Binding("q,ctrl+q,escape", "app.quit", "Quit")]
 
-    def __init__(self, model_id: str) -> None:
+    def __init__(self, model_id: str, error: str = "") -> None:
         super().__init__(id="loading")
         self.model_id = model_id
         self.failed = False
+        self.error = error  # shown as the failure once mounted
+
+    def on_mount(self) -> None:
+        if self.error:
+            self.fail(self.error)
 
     def compose(self) -> ComposeResult:
         with Vertical(id="loading-box"):
