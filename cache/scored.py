@@ -277,34 +277,34 @@ class ScoredKVCache(SegmentedKVCache):
         kept = np.ones(held, bool)
         kept[dropped] = False
         keep = np.flatnonzero(kept)
-        gone = np.cumsum(~kept)[keep]  # evicted before each kept token: how far it moves back
-        idx, deltas = mx.array(keep.astype(np.int32)), mx.array(-gone.astype(np.int32))
+        deltas = -np.cumsum(~kept)[keep]  # minus the tokens evicted before each kept one
         if self.quant is None:
-            if self.native is None or not self.native.select_full(self.full, keep, -gone, start):
-                self._evict_full(idx, deltas, held)
+            if self.native is None or not self.native.select_full(self.full, keep, deltas, start):
+                self._evict_full(keep, deltas, held)
         else:
-            self._evict_quantised(idx, deltas, start)
-        self._after_eviction(idx, n, held)
+            self._evict_quantised(keep, deltas, start)
+        self._after_eviction(keep, n, held)
 
-    def _evict_full(self, idx: mx.array, deltas: mx.array, held: int) -> None:
-        """Keep the tokens ``idx``, each key moved by its own delta, through MLX."""
+    def _evict_full(self, keep: np.ndarray, deltas: np.ndarray, held: int) -> None:
+        """Keep the tokens ``keep``, each key moved by its own delta, through MLX."""
+        idx = mx.array(keep.astype(np.int32))
         k, v = self.full.view()
         k, v = mx.take(k, idx, axis=2), mx.take(v, idx, axis=2)
-        k = shift_each(self.repos, k, deltas)
+        k = shift_each(self.repos, k, mx.array(deltas.astype(np.int32)))
         self.full.trim(held)
         self.full.append(k, v)
 
-    def _after_eviction(self, idx: mx.array, n: int, held: int) -> None:
-        """Scores, voters and counts follow the kept tokens ``idx`` of ``held``, ``n`` evicted."""
+    def _after_eviction(self, keep: np.ndarray, n: int, held: int) -> None:
+        """Scores, voters and counts follow the kept tokens ``keep`` of ``held``, ``n`` evicted."""
         self._fit_scores(self.full.keys.shape[1])
-        self.scores = self.scores[:, idx]
+        self.scores = self.scores[:, mx.array(keep.astype(np.int32))]
         if self._obs is not None:  # the voters sit in the recent window, which moved back by n
             self._obs = self.repos.shift(self._obs, -n)
         self.evicted += n
         tally(self.evicted_by, self.mode, n)
         self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
 
-    def _evict_quantised(self, idx: mx.array, deltas: mx.array, start: int) -> None:
+    def _evict_quantised(self, keep_all: np.ndarray, deltas_all: np.ndarray, start: int) -> None:
         """Evict from the quantised middle (all evictable tokens are there, see _maintain).
 
         Values are taken as stored. Keys before the first evicted token keep their packed
@@ -313,12 +313,11 @@ class ScoredKVCache(SegmentedKVCache):
         q, s = self.quant, start
         nq = q.length
         first = self.last_dropped[0] - s  # middle index of the first evicted token
-        keep_all, deltas_all = np.array(idx), np.array(deltas)
         in_mid = (keep_all >= s) & (keep_all < s + nq)
         if self.native is not None and self.native.select(q, keep_all[in_mid] - s, deltas_all[in_mid], first):
             self._move_window(-(nq - q.length))
             return
-        pairs = [(i - s, d) for i, d in zip(idx.tolist(), deltas.tolist()) if s <= i < s + nq]
+        pairs = [(i - s, d) for i, d in zip(keep_all.tolist(), deltas_all.tolist()) if s <= i < s + nq]
         keep = [i for i, _ in pairs]
         if q.kind != "quant":  # per-channel keys: the buffer re-groups what moved
             q.select(keep, [d for _, d in pairs], lambda k, d: shift_each(self.repos, k, d))

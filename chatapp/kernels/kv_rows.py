@@ -109,6 +109,14 @@ def _store(x, dst):  # pragma: no cover - jitted
 
 
 @njit(nogil=True, cache=True)
+def _round_to(x, buf):  # pragma: no cover - jitted
+    """x rounded to buf's dtype and back (buf: scratch of x's length, float32 or float16 bits), as
+    an MLX array of that dtype would hold the values."""
+    _store(x, buf)
+    _load(buf, x)
+
+
+@njit(nogil=True, cache=True)
 def flush_rows(src, H, src_stride, start, n, D, turn, cos, sin, traditional, packed, p_stride, scales,
                biases, s_stride, row, bits, group):  # pragma: no cover - jitted
     """Quantise rows start .. start + n - 1 of each of H heads of ``src`` (a flat [H, capacity, D]
@@ -126,8 +134,7 @@ def flush_rows(src, H, src_stride, start, n, D, turn, cos, sin, traditional, pac
             _load(src[b0:b0 + D], x)
             if turn:
                 apply_rope(x, cos, sin, traditional)
-                _store(x, rounded)
-                _load(rounded, x)
+                _round_to(x, rounded)
             _quantize_row(x, D, bits, group, packed, h * p_stride + (row + r) * P, scales, biases,
                           h * s_stride + (row + r) * ng, q4)
 
@@ -217,12 +224,10 @@ def move_keys(packed, scales, biases, H, p_stride, s_stride, keep, deltas, first
                     _copy(biases[sb + j * ng:sb + (j + 1) * ng], biases[sb + r * ng:sb + (r + 1) * ng], ng)
                 continue
             dequant_rows(packed, scales, biases, pb, sb, r, 1, bits, group, D, x)
-            _store(x, rounded)
-            _load(rounded, x)
+            _round_to(x, rounded)
             d = -deltas[j]
             apply_rope(x, cos[d], sin[d], traditional)
-            _store(x, rounded)
-            _load(rounded, x)
+            _round_to(x, rounded)
             _quantize_row(x, D, bits, group, packed, pb + j * P, scales, biases, sb + j * ng, q4)
 
 
