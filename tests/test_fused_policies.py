@@ -169,6 +169,44 @@ def test_a_decode_step_reads_the_quantised_middle_in_place(mode, monkeypatch):
     assert steps == list(range(5))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fast_numerics_scores_a_quantised_middle_on_integers(bits):
+    """numerics fast: the middle's scores run on 16-bit query planes (kernels/qk_int.py, where the
+    CPU has vpdpbusd); with the bit cleared they run on floats. The two agree bit for bit until
+    the middle holds rows; then within what the int8 activations' rounding makes of any change
+    (fast against exact numerics differ by ~2% of the logits' scale here): a score gone wrong
+    (a missing bias, a wrong row) moves them by their whole scale."""
+    from dataclasses import replace
+
+    from chatapp.kernels.decode_step import FAST_ATTN
+    from chatapp.kernels.qk_int import INT_SCORES
+    from tests.fused_llama import build_random_llama, install_attention
+
+    if not INT_SCORES:
+        pytest.skip("this CPU has no vpdpbusd: the middle's scores stay on floats")
+    shape = replace(SHAPE, head_dim=64)  # a layout qk_int serves (D 64, groups of 32 and 64)
+    runs = []
+    for attn in (True, False):
+        m, _ = build_random_llama(shape, seed=5, quantize_bits=4, group_size=32)
+        mx.eval(m.parameters())
+        install_attention(m)
+        apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype="float16", numerics="fast")
+        dec = m._chatapp_fused
+        assert all(f & FAST_ATTN for f in dec.fast_mask[:-1])
+        if not attn:
+            dec.fast_mask[:] &= ~FAST_ATTN
+        runs.append(_Run(m, _settings("window-quant", bits).with_(kv_group_size=64)))
+    for run in runs:
+        run.prefill(list(range(1, 17)))
+    moved = 0.0
+    for t in range(40):
+        a, b = runs[0].step(t), runs[1].step(t)
+        assert _close(a, b, 2e-2), (t, float(np.abs(a - b).max()))
+        moved = max(moved, float(np.abs(a - b).max()))
+    assert runs[0].caches[0].usage().quant_tokens > 0
+    assert moved > 0  # the two routes differ in rounding: the integer one ran
+
+
 def test_scored_votes_come_from_the_fused_steps_queries():
     """The scored caches choose what to evict from their last queries' attention: the fused step
     hands them the roped queries it computed, the same as MLX's route keeps."""

@@ -62,7 +62,10 @@ def numerics_line(numerics: str) -> str:
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
     from chatapp.kernels.int8head import HEAD_ACT_BLOCK
     from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
+    from chatapp.kernels.qk_int import INT_SCORES
 
+    middle = ("a quantised middle's scores on 16-bit queries" if INT_SCORES
+              else "a quantised middle's scores on floats (no vpdpbusd)")
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
             f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact; "
-            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK})")
+            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK}; {middle} in decode)")
