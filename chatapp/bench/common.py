@@ -46,14 +46,15 @@ def load_stories(path: str | Path) -> tuple[Any, Any, Any, str]:
     return lm.model, lm.tokenizer, ModelIdentity.from_loaded(lm, str(path)), desc
 
 
-def fast_path(model, off: bool) -> str:
-    """Give ``model`` the app's CPU fast path (as ``load_engine`` does) unless ``off``; says what it did."""
+def fast_path(model, off: bool, numerics: str = "exact") -> str:
+    """Give ``model`` the app's CPU fast path (as ``load_engine`` does, on ``numerics``: the app's
+    own default is ``auto``) unless ``off``; says what it did."""
     if off:
         return "off (--no-fast-path)"
     from chatapp.backend.cpu import apply_fast_path
     from chatapp.model.device import pick_backend
 
-    return apply_fast_path(model, backend=pick_backend().name).summary()
+    return apply_fast_path(model, backend=pick_backend().name, numerics=numerics).summary()
 
 
 def loadavg() -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from cache.settings import MODES
 from chatapp.bench.common import fast_path
 from chatapp.bench.report import BenchReport, add_cache_arguments, cache_knobs, emit, line_plot, mode_list
+from chatapp.config import NUMERICS
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "models"
 DEFAULT_MODEL = str(SHARED / "stories260K")
@@ -130,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routes", type=route_list, default=None,
                    help="mlx, fused, or mlx,fused: score every row through each route (a fresh model each) "
                         "and show the fused route's perplexity over MLX's (default mlx; fused with --fast-path)")
+    p.add_argument("--numerics", choices=NUMERICS, default="exact",
+                   help="the fused route's numerics (cpu.numerics: exact, fast, or auto as the app picks; "
+                        "default exact, float32 activations)")
     p.add_argument("--no-fit", action="store_true", help="do not fit window settings to the trained context")
     p.add_argument("--seed", type=int, default=0)
 
@@ -190,7 +194,7 @@ def load(args, fused: bool = False) -> tuple[Any, Any, str]:
         desc = ("random float32 Llama: hidden 512, 4 layers, 8 heads / 4 KV heads of 64, "
                 "byte tokenizer (vocab 258), max positions 4096")
         if fused:
-            desc += f"; CPU fast path: {fast_path(model, off=False)}"
+            desc += f"; CPU fast path: {fast_path(model, off=False, numerics=args.numerics)}"
         return model, byte_tokenizer(), desc
     from chatapp.model.loader import load_model
 
@@ -199,7 +203,7 @@ def load(args, fused: bool = False) -> tuple[Any, Any, str]:
     desc = (f"{lm.model_id}: {lm.n_layers} layers, {lm.n_kv_heads} KV heads of {lm.head_dim}, "
             f"{lm.dtype}, trained context {lm.max_position_embeddings}")
     if fused:
-        desc += f"; CPU fast path: {fast_path(lm.model, off=False)}"
+        desc += f"; CPU fast path: {fast_path(lm.model, off=False, numerics=args.numerics)}"
     return lm.model, lm.tokenizer, desc
 
 
