@@ -236,11 +236,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         """Esc: queued messages go back into the input box instead of being sent."""
         if not self.queued:
             return
-        texts = [w.text for w in self.queued]
-        for widget in self.queued:
-            if widget.is_attached:
-                await widget.remove()
-        self.queued = []
+        texts = await self._take_queued()
         box = self.query_one(ChatInput)
         box.text = "\n\n".join(texts + ([box.text] if box.text.strip() else []))
         box.move_cursor(box.document.end)

@@ -213,12 +213,7 @@ class EngineLinkApp(App[int]):
             self.notify(self.blas.summary(), markup=False)
         self._describe(ev.info)
         if self.queued:  # typed while loading: after what the load showed, then sent in turn
-            texts = [w.text for w in self.queued]
-            for widget in self.queued:
-                if widget.is_attached:
-                    await widget.remove()
-            self.queued = []
-            for text in texts:
+            for text in await self._take_queued():
                 await self._queue(text)
             if not self.bridge.busy:
                 await self._send_queued()
@@ -517,6 +512,15 @@ class EngineLinkApp(App[int]):
         chat_input.set_class(self.editing, "editing")
         chat_input.border_title = (LOADING_TITLE if not self.loaded else EDIT_TITLE if self.editing
                                    else BUSY_TITLE if busy else INPUT_TITLE)
+
+    async def _take_queued(self) -> list[str]:
+        """The queued messages' texts, their widgets removed and the queue emptied."""
+        texts = [w.text for w in self.queued]
+        for widget in self.queued:
+            if widget.is_attached:
+                await widget.remove()
+        self.queued = []
+        return texts
 
     async def _send_queued(self) -> None:
         widget = self.queued.pop(0)
