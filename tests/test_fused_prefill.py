@@ -86,7 +86,7 @@ def test_greedy_after_a_fused_prefill_equals_mlx():
 
 
 def test_fast_numerics_runs_every_product_on_int8_but_the_last_layer_and_a_cleared_mask_is_exact():
-    from chatapp.kernels.decode_step import FAST_ALL, FAST_DOWN, FAST_DOWN_WIDE
+    from chatapp.kernels.decode_step import FAST_ALL, FAST_ATTN, FAST_DOWN, FAST_DOWN_WIDE
     from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
     exact, fast = _model(shape=SMOL, seed=4), _model(shape=SMOL, seed=4)
@@ -107,7 +107,11 @@ def test_fast_numerics_runs_every_product_on_int8_but_the_last_layer_and_a_clear
     dec.set_fast(True, last_exact=False, prefill_down="exact")
     assert list(dec.fast_mask) == [FAST_ALL] * (last + 1)
     assert list(dec.prefill_mask) == [FAST_ALL & ~FAST_DOWN] * (last + 1)
-    for bad in ({"decode_down": "int4"}, {"prefill_down": "float"}):
+    # the prefill's scores on floats on request (they run on integers only where the CPU has vpdpbusd)
+    dec.set_fast(True, prefill_scores="exact")
+    assert list(dec.fast_mask) == [FAST_ALL] * last + [0]
+    assert list(dec.prefill_mask) == [FAST_ALL & ~FAST_ATTN] * last + [0]
+    for bad in ({"decode_down": "int4"}, {"prefill_down": "float"}, {"prefill_scores": "int4"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             dec.set_fast(True, **bad)
     dec.set_fast(True)
@@ -180,8 +184,9 @@ def test_the_prefills_16_bit_down_proj_stays_far_closer_to_exact_than_int8(group
     a, ca = _prefill(ref, ids[:cached], ids[cached:])
     got = {}
     for down in ("wide", "int8"):
-        dec.set_fast(True, last_exact=False, prefill_block=prefill_block, prefill_down=down, head="exact")
-        dec.prefill_mask &= ~7  # q/k/v, o, gate/up exact: only down_proj's activations differ
+        dec.set_fast(True, last_exact=False, prefill_block=prefill_block, prefill_down=down, head="exact",
+                     prefill_scores="exact")
+        dec.prefill_mask &= ~7  # q/k/v, o, gate/up and the scores exact: only down_proj's activations differ
         dec.fast_mask[:] = 0  # and a one-token history goes through the (exact) decode step
         got[down] = _prefill(fast, ids[:cached], ids[cached:])
     err = {}
@@ -253,3 +258,31 @@ def test_a_prefill_that_fills_the_cache_chunk_whole_keeps_its_rows_through_the_g
         outs.append(seq)
         assert not np.shares_memory(np.asarray(caches[0].full.keys), np.asarray(caches[0].full.values))
     assert all(_close(b, a) for a, b in zip(*outs))
+
+
+def test_the_prefills_integer_scores_move_the_logits_by_a_rounding_only():
+    """numerics fast with every product exact but the prefill's scores: on a CPU with vpdpbusd
+    (u8 keys, int8 queries) the chunk's last logits and layer 1's cached keys differ from the
+    float scores' by little; elsewhere the scores stay on floats and nothing differs."""
+    from chatapp.kernels.decode_step import FAST_ATTN
+    from chatapp.kernels.qk_int import INT_SCORES
+
+    fast = _model(4, 32, tied=False, seed=3, shape=SMALL)
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    dec = fast._chatapp_fused
+    ids = [int(t) for t in mx.random.randint(0, 256, (60,), key=mx.random.key(3))]
+    got = {}
+    for scores in ("exact", "int8"):
+        dec.set_fast(True, last_exact=False, head="exact", prefill_scores=scores)
+        dec.prefill_mask &= FAST_ATTN  # every product exact: only the scores differ
+        dec.fast_mask[:] = 0
+        got[scores] = _prefill(fast, ids[:20], ids[20:])
+    (a, ca), (b, cb) = got["exact"], got["int8"]
+    k_a, k_b = (np.array(c[1].full.view()[0]) for c in (ca, cb))
+    if not INT_SCORES:
+        assert np.array_equal(a, b) and np.array_equal(k_a, k_b)
+        return
+    assert not np.array_equal(a, b)
+    # 2.7e-3 and 3.1e-3 here (seed 3)
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()
+    assert np.abs(k_a - k_b).max() <= 1e-2 * np.abs(k_a).max()

@@ -37,9 +37,11 @@ from .fused_settings import (
     DOWN_CHOICES,
     FAST_DOWN_DEFAULT,
     FAST_HEAD_DEFAULT,
+    FAST_SCORES_DEFAULT,
     HEAD_CHOICES,
     KV_HOST,
     KV_MX,
+    SCORES_CHOICES,
     kv_dtype_line,
     numerics_line,
     resolve_kv_dtype,
@@ -180,7 +182,7 @@ class FusedDecoder:
 
     def set_fast(self, fast: bool, act_block: int = 0, last_exact: bool = True, prefill_block: int = 0,
                  decode_down: str = FAST_DOWN_DEFAULT, prefill_down: str = FAST_DOWN_DEFAULT,
-                 head: str = FAST_HEAD_DEFAULT) -> None:
+                 head: str = FAST_HEAD_DEFAULT, prefill_scores: str = FAST_SCORES_DEFAULT) -> None:
         """Which products run on int8 activations: per layer a mask of decode_step.FAST_* bits,
         with the activation block (elements per int8 scale; 0: int8dot.ACT_BLOCK) above them, and
         ``last_exact`` keeping the last layer on float32 activations. ``prefill_block``: the
@@ -191,7 +193,9 @@ class FusedDecoder:
         (decode_step.FAST_DOWN_WIDE, prefill_step.PREFILL_DOWN_WIDE: ~1/256 of int8's rounding at
         about twice its integer work) or ``exact`` float32 ones. ``head``: the output head on
         ``int8`` activations (kernels/int8head.py, where its kernels take the head's weight) or
-        ``exact`` float32 ones.
+        ``exact`` float32 ones. ``prefill_scores``: the prefill chunk's attention scores on
+        ``int8`` (u8 key rows against int8 query lanes, kernels/chunk_scores_int.py, where the CPU
+        has vpdpbusd) or ``exact`` floats.
 
         Until stop 31 the kernels added each bias times the float sum of its activations, while
         the scales multiplied the quantised ones, so a product's error weighed each rounding with
@@ -200,7 +204,7 @@ class FusedDecoder:
         quantised (int8dot._lane_sums) every product on int8 costs +0.05% there and -0.01% on
         ../shared/docs/architecture.md, against exact, and decodes ~20% faster than down_proj
         exact (BENCHMARKS.md, stop 31)."""
-        from chatapp.kernels.decode_step import FAST_ALL, FAST_BLOCK_SHIFT, FAST_DOWN, FAST_DOWN_WIDE
+        from chatapp.kernels.decode_step import FAST_ALL, FAST_ATTN, FAST_BLOCK_SHIFT, FAST_DOWN, FAST_DOWN_WIDE
         from chatapp.kernels.prefill_step import PREFILL_DOWN_WIDE
 
         for name, value in (("decode_down", decode_down), ("prefill_down", prefill_down)):
@@ -208,6 +212,8 @@ class FusedDecoder:
                 raise ValueError(f"{name} must be one of {', '.join(DOWN_CHOICES)}, not {value!r}")
         if head not in HEAD_CHOICES:
             raise ValueError(f"head must be one of {', '.join(HEAD_CHOICES)}, not {head!r}")
+        if prefill_scores not in SCORES_CHOICES:
+            raise ValueError(f"prefill_scores must be one of {', '.join(SCORES_CHOICES)}, not {prefill_scores!r}")
         if act_block not in (0, 8, 16, 32):
             raise ValueError(f"act_block must be 8, 16 or 32, not {act_block}")
         if prefill_block not in (0, 8, 16, 32, 64, 128) or prefill_block and any(
@@ -223,9 +229,10 @@ class FusedDecoder:
         self.fast_mask = np.full(n, (decode | act_block << FAST_BLOCK_SHIFT) if fast else 0, np.int64)
         if fast and last_exact and n > 1:
             self.fast_mask[-1] = 0
-        # the prefill's mask: the same products and block in the layers with int8 ones, down_proj as asked
-        self.prefill_mask = np.where(self.fast_mask != 0,
-                                     self.fast_mask & ~(FAST_DOWN | FAST_DOWN_WIDE) | down_bits[prefill_down],
+        # the prefill's mask: the same products and block in the layers with int8 ones, down_proj
+        # and the scores as asked
+        keep = ~(FAST_DOWN | FAST_DOWN_WIDE | (FAST_ATTN if prefill_scores == "exact" else 0))
+        self.prefill_mask = np.where(self.fast_mask != 0, self.fast_mask & keep | down_bits[prefill_down],
                                      0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:

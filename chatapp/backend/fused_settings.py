@@ -17,6 +17,11 @@ FAST_DOWN_DEFAULT = "int8"
 # int8head.HEAD_ACT_BLOCK (kernels/int8head.py), or float32 ones as exact computes it
 HEAD_CHOICES = {"int8": "on int8", "exact": "exact"}
 FAST_HEAD_DEFAULT = "int8"
+# the prefill chunk's attention scores under numerics fast (set_fast's ``prefill_scores``): on
+# unsigned key bytes and int8 query lanes (kernels/chunk_scores_int.py, where the CPU has
+# vpdpbusd), or on floats as exact computes them
+SCORES_CHOICES = {"int8": "on u8 keys and int8 queries", "exact": "on floats"}
+FAST_SCORES_DEFAULT = "int8"
 # the K/V buffer dtypes the fused kernels read, and how they see them (float16 as its bits)
 KV_MX = {"float32": mx.float32, "float16": mx.float16}
 KV_HOST = {mx.float32: np.float32, mx.float16: np.uint16}
@@ -64,8 +69,9 @@ def numerics_line(numerics: str) -> str:
     from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
     from chatapp.kernels.qk_int import INT_SCORES
 
-    middle = ("a quantised middle's scores on 16-bit queries" if INT_SCORES
-              else "a quantised middle's scores on floats (no vpdpbusd)")
+    scores = (f"a quantised middle's scores on 16-bit queries in decode, the prefill's scores "
+              f"{SCORES_CHOICES[FAST_SCORES_DEFAULT]}" if INT_SCORES
+              else "the attention's scores on floats (no vpdpbusd)")
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
             f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact; "
-            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK}; {middle} in decode)")
+            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK}; {scores})")

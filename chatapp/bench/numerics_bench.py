@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-down", default="",
                    help="more fast prefill rows, e.g. 'exact,wide': the prefill's down_proj exact or on 16-bit "
                    "activations instead of int8 ones (default: none)")
+    p.add_argument("--prefill-scores", default="",
+                   help="more fast prefill rows, e.g. 'exact': the prefill chunk's attention scores on floats "
+                   "instead of u8 keys and int8 queries (where the CPU has vpdpbusd; default: none)")
     p.add_argument("--kv-dtype-rows", default="",
                    help="more exact rows with the fused routes' K/V in these dtypes, e.g. 'float32' "
                    "(the models run cpu.kv_dtype auto: float16 where the CPU has F16C; default: none)")
@@ -139,7 +142,7 @@ def run(args) -> int:
     import numpy as np
 
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.backend.fused_settings import DOWN_CHOICES, HEAD_CHOICES
+    from chatapp.backend.fused_settings import DOWN_CHOICES, HEAD_CHOICES, SCORES_CHOICES
     from chatapp.bench.common import loadavg
 
     variants = _variants(args.variants)
@@ -148,6 +151,9 @@ def run(args) -> int:
     if any(d not in DOWN_CHOICES for d in decode_downs + downs):
         raise SystemExit(f"--decode-down / --prefill-down: {args.decode_down!r} / {args.prefill_down!r} "
                          f"are not lists of {'|'.join(DOWN_CHOICES)}")
+    scores = [c.strip() for c in args.prefill_scores.split(",") if c.strip()]
+    if any(c not in SCORES_CHOICES for c in scores):
+        raise SystemExit(f"--prefill-scores: {args.prefill_scores!r} is not a list of {'|'.join(SCORES_CHOICES)}")
     heads = [h.strip() for h in args.head.split(",") if h.strip()]
     if any(h not in HEAD_CHOICES for h in heads):
         raise SystemExit(f"--head: {args.head!r} is not a list of {'|'.join(HEAD_CHOICES)}")
@@ -199,6 +205,9 @@ def run(args) -> int:
         for d in downs:
             dec.set_fast(True, prefill_down=d)
             pre[f"fast, down {d}"] = _prefilled(models["fast"], ids, args.prefill)
+        for c in scores:
+            dec.set_fast(True, prefill_scores=c)
+            pre[f"fast, scores {c}"] = _prefilled(models["fast"], ids, args.prefill)
         dec.set_fast(True)
     rates: dict[str, list[float]] = {"exact": [], "fast": []}
     for r in range(max(1, args.repeats)):
@@ -231,7 +240,7 @@ def run(args) -> int:
 
         for kv in kv_rows:
             prefill_row(f"exact, K/V {kv}, prefill {args.prefill}", pre[f"exact, K/V {kv}"])
-        for key in [f"block {b}" for b in blocks] + [f"down {d}" for d in downs]:
+        for key in [f"block {b}" for b in blocks] + [f"down {d}" for d in downs] + [f"scores {c}" for c in scores]:
             prefill_row(f"fast, prefill {args.prefill}, {key}", pre[f"fast, {key}"])
     print(rep.table())
     print(f"# load average: {load_start} at the start, {loadavg()} at the end")

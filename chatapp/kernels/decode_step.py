@@ -51,8 +51,9 @@ from .simd import q4_row_dot, q8_row_dot
 PHASES = 5
 # the bits of token_step's ``fast``: which products of a layer run on int8 activations
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
-# ...and the attention's scores against a quantised middle on integers (16-bit queries, qk_int.py;
-# where the CPU has vpdpbusd)
+# ...and the attention's scores on integers where the CPU has vpdpbusd: in decode against a
+# quantised middle (16-bit queries, qk_int.py), in prefill every key block (u8 keys, int8 queries,
+# chunk_scores_int.py; FusedDecoder.set_fast(prefill_scores=...))
 FAST_ATTN = 32
 FAST_ALL = FAST_QKV | FAST_O | FAST_GATE_UP | FAST_DOWN | FAST_ATTN
 # down_proj on 16-bit activations (two int8 planes, int8dot.make_rows_i8(planes=2)) where FAST_DOWN

@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit
 
 from .attention import fast_exp, head_rows
+from .chunk_scores_int import quantise_key_rows, quantise_query_lane, scores4x32, zero_query_lane
 from .decode_step import apply_rope, head_norm, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
@@ -114,7 +115,7 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, q_from=0):  # pragma: no cover - jitted
+                    cos_u, sin_u, qk_norm, eps, q_from=0, int_scores=False):  # pragma: no cover - jitted
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
@@ -132,7 +133,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     buffers, heads ``q_stride`` apart), read in place block by block (_fill_block), its keys
     turned back by cos_u/sin_u [D/2] (the angles of minus its rotation delta). qk_norm [2 * D]:
     the queries' and keys' per-head RMSNorm weights with ``eps``, applied before RoPE (Qwen3), or
-    [0]: none."""
+    [0]: none. ``int_scores``: S^T on integers (chunk_scores_int: each block's key rows as bytes,
+    the query lanes as int8), numerics fast's choice where the CPU has vpdpbusd; else on floats."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -148,6 +150,13 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     kr = np.empty((T, D), np.float32)
     qr = np.empty(D, np.float32)
     lane_t = np.empty(M, np.int64)
+    ni = 1 if int_scores else 0  # the integer scores' scratch, empty on floats
+    k8 = np.empty(ni * KBLOCK * D, np.uint8)
+    ksc = np.empty(ni * KBLOCK, np.float32)
+    kbi = np.empty(ni * KBLOCK, np.float32)
+    qx = np.empty(ni * D * M, np.int8)
+    lsc = np.empty(ni * M, np.float32)
+    lsu = np.empty(ni * M, np.float32)
     run_max = np.empty(M, np.float32)
     run_sum = np.empty(M, np.float32)
     n_full = n_cached - n_quant  # the cache buffers' rows
@@ -198,8 +207,13 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                     if qk_norm.shape[0]:
                         head_norm(qr, qk_norm, 0, eps)
                     apply_rope(qr, cos[t], sin[t], traditional)
-                    for e in range(D):
-                        qt[e * M + m] = qr[e] * scale
+                    if int_scores:
+                        quantise_query_lane(qr, D, scale, m, M, qx, lsc, lsu)
+                    else:
+                        for e in range(D):
+                            qt[e * M + m] = qr[e] * scale
+                elif int_scores:
+                    zero_query_lane(D, m, M, qx, lsc, lsu)
                 else:
                     for e in range(D):
                         qt[e * M + m] = 0.0
@@ -216,9 +230,15 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
             _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits,
                         q_group, rot, cos_u, sin_u, traditional)
             nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
-            for mc in range(0, M, LANES):
-                for i in range(0, nb4, A_ROWS):
-                    outer4x32(kb, i * D, D, 1, qt, mc, M, st, i * M + mc, M, D, 0)
+            if int_scores:
+                quantise_key_rows(kb, nb4, D, k8, ksc, kbi)
+                for mc in range(0, M, LANES):
+                    for i in range(0, nb4, A_ROWS):
+                        scores4x32(k8, i * D, i, ksc, kbi, qx, 4 * mc, 4 * M, D // 4, lsc, lsu, mc, st, i * M + mc, M)
+            else:
+                for mc in range(0, M, LANES):
+                    for i in range(0, nb4, A_ROWS):
+                        outer4x32(kb, i * D, D, 1, qt, mc, M, st, i * M + mc, M, D, 0)
             _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
             for mc in range(0, M, LANES):
                 for e in range(0, D, A_ROWS):

@@ -29,7 +29,7 @@ import numpy as np
 from numba import njit
 
 from .affine import bias_at
-from .decode_step import FAST_DOWN_WIDE, LINE, phase_barrier, phase_claim, phase_done, silu_mul
+from .decode_step import FAST_ATTN, FAST_DOWN_WIDE, LINE, phase_barrier, phase_claim, phase_done, silu_mul
 from .half import kv_buffer
 from .int8panel import (
     PANEL_ROWS,
@@ -42,6 +42,7 @@ from .int8panel import (
 )
 from .llvm import as_f32
 from .prefill_attention import chunk_attention
+from .qk_int import INT_SCORES
 from .views import rows_of
 
 # a bit of the prefill's ``fast`` beside decode_step's FAST_* (which decode_step does not read):
@@ -314,7 +315,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, t1)
+                    cos_u, sin_u, qk_norm, eps, t1, (fast & FAST_ATTN) != 0 and INT_SCORES)
 
     # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
     Tn = T - t1
