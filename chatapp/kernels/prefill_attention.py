@@ -36,6 +36,7 @@ from .half import store_f32
 from .llvm import as_f32
 from .microkernels import A_ROWS, outer4x32
 from .quant_split import dequant_rows
+from .softmax_lanes import lanes_exp, lanes_max, lanes_scale
 
 LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
 QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
@@ -94,22 +95,17 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
     new_max = np.empty(M, np.float32)
     for m in range(M):
         new_max[m] = run_max[m]
-    for i in range(nb):
-        for m in range(M):
-            new_max[m] = max(new_max[m], st[i * M + m])
+    lanes_max(st, nb, M, new_max)  # (vector loops: softmax_lanes.py)
     corr = np.empty(M, np.float32)
+    moved = False
     for m in range(M):
         corr[m] = fast_exp(run_max[m] - new_max[m])
+        moved = moved or corr[m] != 1.0
         run_max[m] = new_max[m]
         run_sum[m] *= corr[m]
-    for e in range(D):
-        for m in range(M):
-            ot[e * M + m] *= corr[m]
-    for i in range(nb):
-        for m in range(M):
-            p = fast_exp(st[i * M + m] - new_max[m])
-            st[i * M + m] = p
-            run_sum[m] += p
+    if moved:  # (past the first blocks the max seldom moves: skip D x M multiplications by 1)
+        lanes_scale(ot, D, M, corr)
+    lanes_exp(st, nb, M, new_max, run_sum)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -145,15 +141,24 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     qt = np.empty(D * M, np.float32)
     ot = np.empty(D * M, np.float32)
     st = np.empty(KBLOCK * M, np.float32)
-    kb = np.empty(KBLOCK * D, np.float32)
-    vb = np.empty(KBLOCK * D, np.float32)
+    # this thread's K/V rows of one KV head as its claims read them, prepared once for all of its
+    # claims on that head (the threads claim in order, so a thread's claims run mostly on one
+    # head at a time): float32 keys and values, or for integer scores the keys' bytes with their
+    # scales and biases (and one block of float32 keys to quantise from). Converting and
+    # quantising every block again in each of a head's 17 claims (544 tokens) had been a quarter
+    # of the chunk's attention at 4,096 cached rows.
+    n_rows = (n_cached + T + KBLOCK - 1) // KBLOCK * KBLOCK
+    ni = 1 if int_scores else 0
+    kb = np.empty((KBLOCK if int_scores else n_rows) * D, np.float32)
+    vb = np.empty(n_rows * D, np.float32)
+    k8 = np.empty(ni * n_rows * D, np.uint8)
+    ksc = np.empty(ni * n_rows, np.float32)
+    kbi = np.empty(ni * n_rows, np.float32)
+    prep_kh = -1  # the head whose rows 0 .. prep_rows - 1 are prepared
+    prep_rows = 0
     kr = np.empty((T, D), np.float32)
     qr = np.empty(D, np.float32)
     lane_t = np.empty(M, np.int64)
-    ni = 1 if int_scores else 0  # the integer scores' scratch, empty on floats
-    k8 = np.empty(ni * KBLOCK * D, np.uint8)
-    ksc = np.empty(ni * KBLOCK, np.float32)
-    kbi = np.empty(ni * KBLOCK, np.float32)
     qx = np.empty(ni * D * M, np.int8)
     lsc = np.empty(ni * M, np.float32)
     lsu = np.empty(ni * M, np.float32)
@@ -220,29 +225,38 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
         ot[:] = 0.0
         run_max[:] = _NEG
         run_sum[:] = 0.0
-        kc = head_rows(k_cache, kh, k_stride, n_full, D)
-        vc = head_rows(v_cache, kh, v_stride, n_full, D)
-        for i in range(6):
-            q_base[i] = kh * q_stride[i]
         n_keys = n_cached + t_end
+        if kh != prep_kh:
+            prep_kh, prep_rows = kh, 0
+        if n_keys > prep_rows:  # the rows past those prepared (a partial last block again, whole)
+            kc = head_rows(k_cache, kh, k_stride, n_full, D)
+            vc = head_rows(v_cache, kh, v_stride, n_full, D)
+            for i in range(6):
+                q_base[i] = kh * q_stride[i]
+            for n0 in range(prep_rows // KBLOCK * KBLOCK, n_keys, KBLOCK):
+                nb = min(KBLOCK, n_keys - n0)
+                k_at = 0 if int_scores else n0 * D
+                _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb[k_at:], vb[n0 * D:], quant, q_base,
+                            n_quant, q_bits, q_group, rot, cos_u, sin_u, traditional)
+                if int_scores:
+                    quantise_key_rows(kb, (nb + A_ROWS - 1) // A_ROWS * A_ROWS, D, k8[n0 * D:], ksc[n0:], kbi[n0:])
+            prep_rows = n_keys
         for n0 in range(0, n_keys, KBLOCK):
             nb = min(KBLOCK, n_keys - n0)
-            _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits,
-                        q_group, rot, cos_u, sin_u, traditional)
             nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
             if int_scores:
-                quantise_key_rows(kb, nb4, D, k8, ksc, kbi)
                 for mc in range(0, M, LANES):
-                    for i in range(0, nb4, A_ROWS):
-                        scores4x32(k8, i * D, i, ksc, kbi, qx, 4 * mc, 4 * M, D // 4, lsc, lsu, mc, st, i * M + mc, M)
+                    for i in range(n0, n0 + nb4, A_ROWS):
+                        scores4x32(k8, i * D, i, ksc, kbi, qx, 4 * mc, 4 * M, D // 4, lsc, lsu, mc, st,
+                                   (i - n0) * M + mc, M)
             else:
                 for mc in range(0, M, LANES):
-                    for i in range(0, nb4, A_ROWS):
-                        outer4x32(kb, i * D, D, 1, qt, mc, M, st, i * M + mc, M, D, 0)
+                    for i in range(n0, n0 + nb4, A_ROWS):
+                        outer4x32(kb, i * D, D, 1, qt, mc, M, st, (i - n0) * M + mc, M, D, 0)
             _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
             for mc in range(0, M, LANES):
                 for e in range(0, D, A_ROWS):
-                    outer4x32(vb, e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)
+                    outer4x32(vb, n0 * D + e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)
         for g in range(G):
             h = kh * G + g
             for i in range(max(0, q_from - t0), t_end - t0):
