@@ -1,4 +1,6 @@
-"""Cache settings: one frozen dataclass, validated on construction, with clear messages.
+"""Cache settings: each knob declared once (:data:`KNOBS`: its default, rule, help, flag, dialog
+field), and :data:`CacheSettings`, one frozen dataclass made from them, validated on construction
+with clear messages.
 
 The modes and what they mean:
 - ``concat``: the naive per-token ``mx.concatenate`` (O(n^2) copying; kept so users can see the cost).
@@ -16,11 +18,11 @@ The modes and what they mean:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, Mapping
+from dataclasses import dataclass, field, make_dataclass, replace
+from typing import Any, Callable, Iterable, Mapping
 
 MODES = ("concat", "prealloc", "quantized", "window", "window-quant", "scored", "scored-quant")
-# What a user may ask for: a mode, or "auto" (the session's policy: prealloc while short, a
+# What a user may ask for: a mode, or "auto" (the session's policy: AUTO_STARTS_AS while short, a
 # window mode once long). The one list that config, CLI, UI, slash commands and benches use.
 AUTO = "auto"
 MODE_CHOICES = (AUTO, *MODES)
@@ -31,6 +33,8 @@ AUTO_STARTS_AS = "prealloc"
 def starting_mode(mode: str) -> str:
     """The cache mode a session asked for ``mode`` starts in ("auto" starts as AUTO_STARTS_AS)."""
     return AUTO_STARTS_AS if mode == AUTO else mode
+
+
 # Which modes evict, quantise, and cap their tokens at max_kv_tokens (window caps at sinks + window).
 EVICTING = ("window", "window-quant", "scored", "scored-quant")
 QUANTIZING = ("quantized", "window-quant", "scored-quant")
@@ -40,12 +44,110 @@ QUANT_GROUP_SIZES = (32, 64, 128)  # the group sizes mx.quantize accepts
 # How the quantised middle groups its keys: "token" (each token's head_dim in groups, as values
 # are) or "channel" (KIVI: each channel over groups of kv_group_size tokens; quant_channel.py).
 KEY_LAYOUTS = ("token", "channel")
-
-# The rules of the cache settings, written once: config, the mode dialog and CacheSettings.validate
-# each word them (dotted keys, dialog fields, setting names) but none restates them.
-MINIMUM = {"chunk_size": 1, "window": 1, "evict_chunk": 1, "max_kv_tokens": 1, "sinks": 0, "quant_start": 0}
 CHUNK_MULTIPLE = 256  # chunk_size: preallocation grows in whole multiples of this
-CHOICES = {"kv_bits": QUANT_BITS, "kv_group_size": QUANT_GROUP_SIZES}
+
+
+def one_of(values: Iterable[object]) -> str:
+    """(4, 8) -> "4 or 8"; (32, 64, 128) -> "32, 64 or 128"."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One cache knob, declared once: CacheSettings' fields, the ``[cache]`` config section, the
+    CLI's cache flags, ``/mode``'s keys and the F4 dialog's fields are all made from KNOBS.
+
+    Its rule is one of ``choices``, ``multiple`` (a positive multiple of it) or ``minimum``.
+    """
+
+    name: str
+    default: int | str  # the [cache] default; its type is the knob's type
+    help: str | None = None  # the CLI flag's help; None: a number knob's choices say it ("4 or 8")
+    minimum: int | None = None
+    multiple: int | None = None
+    choices: tuple = ()
+    modes: tuple[str, ...] = MODE_CHOICES  # the modes (as asked for, "auto" included) it matters for
+    dialog: bool = False  # one of the F4 dialog's fields
+    label: str | None = None  # the dialog's label (default: the name)
+    hint: str | None = None  # the dialog's one-line hint (default: the flag's help)
+    flag: str | None = None  # the CLI flag (default: --name-with-dashes)
+    in_settings: bool = True  # a CacheSettings field; False: the session reads it from the config
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    @property
+    def key(self) -> str:
+        """The dotted config key, ``cache.window``."""
+        return f"cache.{self.name}"
+
+    @property
+    def option(self) -> str:
+        """The CLI flag, ``--max-kv-tokens``."""
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        """The flag's argparse destination (``cache_mode`` for ``--cache-mode``)."""
+        return self.option.removeprefix("--").replace("-", "_")
+
+    @property
+    def flag_help(self) -> str | None:
+        # a text knob's flag lists its choices itself ({token,channel}); a number knob's help says them
+        if self.help is None and self.choices and self.type is int:
+            return one_of(self.choices)
+        return self.help
+
+    @property
+    def dialog_label(self) -> str:
+        return self.label or self.name
+
+    @property
+    def dialog_hint(self) -> str:
+        return self.hint or self.flag_help or ""
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` cannot be this knob's ("must be ..."), or None when it can."""
+        if self.choices:
+            ok = type(value) is self.type and value in self.choices
+            return None if ok else f"must be one of {', '.join(map(str, self.choices))}"
+        if self.type is str:
+            return None if isinstance(value, str) else "must be a string"
+        whole = type(value) is int  # not isinstance: a bool is an int too, but never a size
+        if self.multiple is not None:
+            ok = whole and value > 0 and value % self.multiple == 0
+            return None if ok else f"must be a positive integer multiple of {self.multiple}"
+        if self.minimum is not None:
+            return None if whole and value >= self.minimum else f"must be an integer >= {self.minimum}"
+        return None if whole else "must be an integer"
+
+
+# Every cache knob, in the order the CLI's --help and the F4 dialog list them (and config.toml).
+MODE_KNOB = Knob("mode", AUTO, choices=MODE_CHOICES, flag="--cache-mode")
+KNOBS: tuple[Knob, ...] = (
+    MODE_KNOB,
+    Knob("window", 1024, "recent tokens kept at full precision (window modes)", minimum=1,
+         modes=(*EVICTING, AUTO), dialog=True, hint="recent tokens kept at full precision"),
+    Knob("sinks", 4, "attention-sink tokens kept at the start (window modes)", minimum=0,
+         modes=(*EVICTING, AUTO), dialog=True, hint="first tokens never evicted"),
+    Knob("kv_bits", 8, choices=QUANT_BITS, modes=(*QUANTIZING, AUTO), dialog=True),
+    Knob("kv_group_size", 64, choices=QUANT_GROUP_SIZES, modes=(*QUANTIZING, AUTO), dialog=True),
+    Knob("max_kv_tokens", 4096, "token budget of window-quant", minimum=1,
+         modes=(*CAPPED, AUTO), dialog=True, hint="window-quant budget"),
+    Knob("chunk_size", 256, f"preallocation step (multiple of {CHUNK_MULTIPLE})", multiple=CHUNK_MULTIPLE),
+    Knob("evict_chunk", 256, "tokens evicted or quantised at a time", minimum=1),
+    Knob("quant_start", 512, "quantized mode: full precision until this many tokens", minimum=0,
+         modes=("quantized",)),
+    Knob("kv_key_layout", "token", "quantised keys grouped per token or per channel", choices=KEY_LAYOUTS,
+         modes=(*QUANTIZING, AUTO), dialog=True, label="key layout", hint="quantised keys per token or channel"),
+    # auto's switch point: the session's own, not a cache's, so no CacheSettings field
+    Knob("long_after", 2048, "auto mode: switch to the long-history policy after this many tokens", minimum=1,
+         modes=(AUTO,), in_settings=False),
+)
+SETTINGS_KNOBS = tuple(k for k in KNOBS if k.in_settings)
+DIALOG_KNOBS = tuple(k for k in KNOBS if k.dialog)
 
 
 @dataclass(frozen=True)
@@ -112,40 +214,20 @@ class CacheConfigError(ValueError):
     """A cache setting that cannot work; the message names the setting and the reason."""
 
 
-@dataclass(frozen=True)
-class CacheSettings:
-    mode: str = "prealloc"
-    chunk_size: int = 256  # preallocation growth step; a multiple of 256
-    sinks: int = 4  # attention-sink tokens kept at the start (window modes)
-    window: int = 1024  # recent tokens kept at full precision (window modes)
-    evict_chunk: int = 256  # tokens evicted / quantised at a time, so the cost is amortised
-    kv_bits: int = 8
-    kv_group_size: int = 64
-    quant_start: int = 512  # quantized mode: tokens held at full precision before converting
-    max_kv_tokens: int = 4096  # window-quant, scored: token budget; older non-sink tokens are evicted
-    kv_key_layout: str = "token"  # quantised keys grouped per token or per channel (KEY_LAYOUTS)
+class _SettingsRules:
+    """What :data:`CacheSettings` does; its fields, one per knob of SETTINGS_KNOBS, are made below."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        if self.mode not in MODES:
+        if self.mode not in MODES:  # "auto" is the session's policy: a cache runs one of MODES
             raise CacheConfigError(f"mode: unknown cache mode {self.mode!r} (choose from {', '.join(MODES)})")
-        for name, lowest in MINIMUM.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < lowest:
-                what = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
-                raise CacheConfigError(f"{name}: must be {what} (got {value!r})")
-        if self.chunk_size % CHUNK_MULTIPLE:
-            raise CacheConfigError(f"chunk_size: must be a multiple of {CHUNK_MULTIPLE} (got {self.chunk_size})")
-        for name, choices in CHOICES.items():
-            value = getattr(self, name)
-            if value not in choices:
-                raise CacheConfigError(f"{name}: must be one of {choices} (got {value!r})")
-        if self.kv_key_layout not in KEY_LAYOUTS:
-            raise CacheConfigError(
-                f"kv_key_layout: must be one of {', '.join(KEY_LAYOUTS)} (got {self.kv_key_layout!r})"
-            )
+        for knob in SETTINGS_KNOBS:
+            value = getattr(self, knob.name)
+            problem = None if knob is MODE_KNOB else knob.problem(value)
+            if problem is not None:
+                raise CacheConfigError(f"{knob.name}: {problem} (got {value!r})")
         broken = first_violation(vars(self))
         if broken is not None:
             raise CacheConfigError(f"{broken.field}: {broken.words()} (got {broken.value})")
@@ -227,14 +309,30 @@ class CacheSettings:
         return fitted, [f"{n} {why}" for n in notes]
 
 
-def knob_types() -> dict[str, type]:
-    """Every cache knob a user may set, with its type, read from :class:`CacheSettings`' fields (the
-    mode is chosen on its own): a knob added there reaches ``/mode`` with nothing restated."""
-    from dataclasses import fields
+# The settings of one cache, frozen and validated on construction: a field per knob of
+# SETTINGS_KNOBS with its default, the mode's being what the default config's mode starts as.
+CacheSettings = make_dataclass(
+    "CacheSettings",
+    [(k.name, k.type, field(default=starting_mode(k.default) if k is MODE_KNOB else k.default))
+     for k in SETTINGS_KNOBS],
+    bases=(_SettingsRules,), frozen=True,
+    # __module__ by hand: make_dataclass's module= is Python 3.12's (pickle finds the class by it)
+    namespace={"__module__": __name__,
+               "__doc__": "The settings of one cache: a field per knob of SETTINGS_KNOBS, validated."},
+)
 
-    return {f.name: type(f.default) for f in fields(CacheSettings) if f.name != "mode"}
+
+def knob_types() -> dict[str, type]:
+    """Every knob ``/mode`` may set (CacheSettings' fields but the mode, which is chosen on its own),
+    with its type: a knob added to KNOBS reaches ``/mode`` with nothing restated."""
+    return {k.name: k.type for k in SETTINGS_KNOBS if k is not MODE_KNOB}
 
 
 def knob_choices(name: str) -> tuple | None:
     """The values a choice knob takes (``kv_bits``, ``kv_key_layout``...), None for a free one."""
-    return {**CHOICES, "kv_key_layout": KEY_LAYOUTS}.get(name)
+    return next((k.choices or None for k in KNOBS if k.name == name), None)
+
+
+def knob_values(source: object, knobs: Iterable[Knob] = SETTINGS_KNOBS) -> dict[str, Any]:
+    """``{name: value}`` of ``knobs`` read from ``source``: a CacheSettings, the ``[cache]`` config..."""
+    return {k.name: getattr(source, k.name) for k in knobs}

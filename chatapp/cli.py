@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from cache.settings import KEY_LAYOUTS, MODE_CHOICES
+from cache.settings import KNOBS
 
 from .config import CHAT_FORMATS, DENSE_WEIGHT_MODES, KERNEL_MODES, ConfigError, load_config
 from .errors import SetupError, UserError
@@ -33,17 +33,7 @@ FLAG_KEYS = {
     "max_tokens": "sampling.max_tokens",
     "ignore_eos": "sampling.ignore_eos",
     "seed": "sampling.seed",
-    "cache_mode": "cache.mode",
-    "window": "cache.window",
-    "sinks": "cache.sinks",
-    "kv_bits": "cache.kv_bits",
-    "kv_group_size": "cache.kv_group_size",
-    "max_kv_tokens": "cache.max_kv_tokens",
-    "chunk_size": "cache.chunk_size",
-    "evict_chunk": "cache.evict_chunk",
-    "quant_start": "cache.quant_start",
-    "kv_key_layout": "cache.kv_key_layout",
-    "long_after": "cache.long_after",
+    **{knob.dest: knob.key for knob in KNOBS},  # --cache-mode, --window...: cache.mode, cache.window...
     "blas": "cpu.blas",
     "dense_weights": "cpu.dense_weights",
     "kernels": "cpu.kernels",
@@ -94,18 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", default=None,
                    help="never sample end-of-sequence: generate max-tokens tokens (benchmarks, tests)")
     g.add_argument("--seed", type=int, help="-1 for random")
-    c = p.add_argument_group("KV cache")
-    c.add_argument("--cache-mode", choices=MODE_CHOICES)
-    c.add_argument("--window", type=int, help="recent tokens kept at full precision (window modes)")
-    c.add_argument("--sinks", type=int, help="attention-sink tokens kept at the start (window modes)")
-    c.add_argument("--kv-bits", type=int, help="4 or 8")
-    c.add_argument("--kv-group-size", type=int, help="32, 64 or 128")
-    c.add_argument("--max-kv-tokens", type=int, help="token budget of window-quant")
-    c.add_argument("--chunk-size", type=int, help="preallocation step (multiple of 256)")
-    c.add_argument("--evict-chunk", type=int, help="tokens evicted or quantised at a time")
-    c.add_argument("--quant-start", type=int, help="quantized mode: full precision until this many tokens")
-    c.add_argument("--kv-key-layout", choices=KEY_LAYOUTS, help="quantised keys grouped per token or per channel")
-    c.add_argument("--long-after", type=int, help="auto mode: switch to the long-history policy after this many tokens")
+    _add_cache_flags(p.add_argument_group("KV cache"))
     o = p.add_argument_group("output")
     o.add_argument("--stats-json", metavar="FILE", help="append one JSON object per turn with every statistic")
     o.add_argument("--verbose", "-v", action="store_true", help="a short statistics line per turn on stderr")
@@ -124,6 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", choices=["tensor", "pipeline"],
                    help="shard the model over the ranks of an `mlx.launch` job (detected automatically when launched)")
     return p
+
+
+def _add_cache_flags(group: argparse._ArgumentGroup) -> None:
+    """A flag per cache knob (cache.settings.KNOBS), in their order. A text knob's flag takes its
+    choices; a number's takes any integer, so a bad one is the config's one-line error, not usage."""
+    for knob in KNOBS:
+        if knob.type is str:
+            group.add_argument(knob.option, choices=knob.choices, help=knob.flag_help)
+        else:
+            group.add_argument(knob.option, type=int, help=knob.flag_help)
 
 
 def overrides_from(args: argparse.Namespace) -> dict[str, Any]:

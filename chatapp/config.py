@@ -14,8 +14,8 @@ Every value is checked; a bad file or value raises :class:`ConfigError`, whose
 
     config error: /path/config.toml: cache.window: must be an integer >= 1 (got -3)
 
-The defaults live twice, in the dataclasses below and in ``config.toml``; a test
-asserts that they agree exactly.
+The defaults live twice, in the dataclasses below (``[cache]``'s made from the knobs of
+``cache.settings.KNOBS``) and in ``config.toml``; a test asserts that they agree exactly.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,7 +36,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import platformdirs
 
-from cache.settings import CHOICES, CHUNK_MULTIPLE, CROSS_RULES, KEY_LAYOUTS, MINIMUM, MODE_CHOICES
+from cache.settings import CROSS_RULES, KNOBS, Knob
 
 __all__ = [
     "APP_NAME",
@@ -314,22 +314,21 @@ class ModelConfig:
     trust_remote_code: bool = _setting(False, _Bool())
 
 
-@dataclass
-class CacheConfig:
-    """``[cache]``: the key/value cache strategy and its sizes (in tokens)."""
+def _knob_rule(knob: Knob) -> _Rule:
+    """The config rule of a cache knob, from its declaration (cache/settings.py)."""
+    if knob.choices:
+        return _Choice(*knob.choices)
+    if knob.type is str:
+        return _Str()
+    return _Int(minimum=knob.minimum, multiple_of=knob.multiple)
 
-    mode: str = _setting(
-        "auto", _Choice(*MODE_CHOICES))
-    chunk_size: int = _setting(256, _Int(multiple_of=CHUNK_MULTIPLE))
-    sinks: int = _setting(4, _Int(minimum=MINIMUM["sinks"]))
-    window: int = _setting(1024, _Int(minimum=MINIMUM["window"]))
-    evict_chunk: int = _setting(256, _Int(minimum=MINIMUM["evict_chunk"]))
-    kv_bits: int = _setting(8, _Choice(*CHOICES["kv_bits"]))
-    kv_group_size: int = _setting(64, _Choice(*CHOICES["kv_group_size"]))
-    kv_key_layout: str = _setting("token", _Choice(*KEY_LAYOUTS))
-    quant_start: int = _setting(512, _Int(minimum=MINIMUM["quant_start"]))
-    max_kv_tokens: int = _setting(4096, _Int(minimum=MINIMUM["max_kv_tokens"]))
-    long_after: int = _setting(2048, _Int(minimum=1))
+
+# ``[cache]``: the key/value cache strategy and its sizes (in tokens), a setting per knob of
+# cache.settings.KNOBS (made, not written: a knob added there is a setting here).
+CacheConfig = make_dataclass(
+    "CacheConfig", [(k.name, k.type, _setting(k.default, _knob_rule(k))) for k in KNOBS],
+    namespace={"__module__": __name__, "__doc__": "``[cache]``: the key/value cache strategy and its sizes."},
+)
 
 
 @dataclass

@@ -26,7 +26,7 @@ from cache import (
     reserve_tokens,
 )
 from cache.layers import is_ours, primary, trim_reason, uniform
-from cache.settings import AUTO, AUTO_STARTS_AS, starting_mode
+from cache.settings import AUTO, AUTO_STARTS_AS, DIALOG_KNOBS, knob_values, starting_mode
 from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
@@ -171,7 +171,7 @@ class Session:
         return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
     def _apply_policy(self, upcoming: int) -> SwitchReport | None:
-        """Auto mode: prealloc while short, the long-history policy once past ``long_after``."""
+        """Auto mode: AUTO_STARTS_AS while short, the long-history policy once past ``long_after``."""
         if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
             return None
         report = self._switch(AUTO)
@@ -604,10 +604,8 @@ class Session:
 
     def describe(self) -> SessionInfo:
         """A plain description of the session (its mode, settings, cache and memory) for a front end."""
-        def fields(s: CacheSettings) -> dict[str, int | str]:
-            return {"window": s.window, "sinks": s.sinks, "kv_bits": s.kv_bits,
-                    "kv_group_size": s.kv_group_size, "max_kv_tokens": s.max_kv_tokens,
-                    "kv_key_layout": s.kv_key_layout}
+        def fields(s: CacheSettings) -> dict[str, int | str]:  # what the F4 dialog edits
+            return knob_values(s, DIALOG_KNOBS)
 
         cache = self.cache_view()
         messages = self.conversation.messages

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from cache import CacheConfigError, CacheSettings
-from cache.settings import starting_mode
+from cache.settings import SETTINGS_KNOBS, knob_values, starting_mode
 from chatapp.errors import SetupError
 from chatapp.model.device import pick_backend
 from chatapp.model.hub import DownloadProgress
@@ -58,14 +58,10 @@ def load_engine(config, progress: Callable[[DownloadProgress], None] | None = No
 
 
 def cache_settings_from(config, mode: str | None = None) -> CacheSettings:
-    c = config.cache
-    mode = mode or c.mode
+    """The [cache] settings as the CacheSettings a session starts with (``mode`` instead of the config's)."""
+    values = knob_values(config.cache, SETTINGS_KNOBS)
     try:
-        return CacheSettings(
-            mode=starting_mode(mode), chunk_size=c.chunk_size, sinks=c.sinks,
-            window=c.window, evict_chunk=c.evict_chunk, kv_bits=c.kv_bits, kv_group_size=c.kv_group_size,
-            quant_start=c.quant_start, max_kv_tokens=c.max_kv_tokens, kv_key_layout=c.kv_key_layout,
-        )
+        return CacheSettings(**{**values, "mode": starting_mode(mode or values["mode"])})
     except CacheConfigError as e:
         raise SetupError(f"cache.{e}") from None
 

@@ -29,7 +29,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from cache.settings import starting_mode
+from cache.settings import DIALOG_KNOBS, knob_values, starting_mode
 from chatapp.engine.events import SessionInfo, TranscriptLoaded
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
@@ -364,10 +364,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         if not self.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
-        settings = self.info.settings if self.info else {
-            "window": self.config.cache.window, "sinks": self.config.cache.sinks,
-            "kv_bits": self.config.cache.kv_bits, "kv_group_size": self.config.cache.kv_group_size,
-            "max_kv_tokens": self.config.cache.max_kv_tokens, "kv_key_layout": self.config.cache.kv_key_layout}
+        settings = self.info.settings if self.info else knob_values(self.config.cache, DIALOG_KNOBS)
         effective = self.info.effective if self.info else {}
 
         def done(result) -> None:

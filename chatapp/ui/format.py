@@ -17,23 +17,13 @@ from typing import Iterable, Sequence
 from rich.cells import cell_len
 from rich.text import Text
 
-from cache.settings import (
-    AUTO,
-    CAPPED,
-    CHOICES,
-    CROSS_RULES,
-    EVICTING,
-    KEY_LAYOUTS,
-    MINIMUM,
-    MODE_CHOICES,
-    QUANTIZING,
-)
+from cache.settings import AUTO_STARTS_AS, CROSS_RULES, DIALOG_KNOBS, EVICTING, MODE_CHOICES, Knob, one_of
 from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats, fmt_bytes
 from chatapp.textsafe import printable
 
 MODES = list(MODE_CHOICES)  # the modes the UI offers, in the order F3 cycles them
 MODE_HELP = {
-    "auto": "prealloc while short, window-quant (or window) once the conversation is long",
+    "auto": f"{AUTO_STARTS_AS} while short, window-quant (or window) once the conversation is long",
     "concat": "full precision; grows by concatenation (the simple reference)",
     "prealloc": "full precision; grows in chunks of chunk_size tokens",
     "quantized": "full precision up to quant_start tokens, then kv_bits-bit keys/values",
@@ -42,15 +32,8 @@ MODE_HELP = {
     "scored": "sinks + recent window kept; past max_kv_tokens the least-attended older tokens are evicted",
     "scored-quant": "scored, with the older tokens quantised: more of them kept in the same memory",
 }
-#: The settings the mode dialog edits, with the modes they matter for.
-MODE_FIELDS = {
-    "window": (*EVICTING, AUTO),
-    "sinks": (*EVICTING, AUTO),
-    "kv_bits": (*QUANTIZING, AUTO),
-    "kv_group_size": (*QUANTIZING, AUTO),
-    "max_kv_tokens": (*CAPPED, AUTO),
-    "kv_key_layout": (*QUANTIZING, AUTO),
-}
+#: The settings the mode dialog edits, with the modes they matter for (the knobs' declarations).
+MODE_FIELDS = {knob.name: knob.modes for knob in DIALOG_KNOBS}
 
 SEP = " │ "
 
@@ -401,24 +384,12 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int 
     values: dict[str, int | str] = {}
     if mode not in MODES:
         errors["mode"] = f"choose one of {', '.join(MODES)}"
-    for name in ("window", "sinks", "max_kv_tokens", "kv_bits", "kv_group_size"):
-        text = str(raw.get(name, "")).strip()
-        try:
-            values[name] = int(text)
-        except ValueError:
-            errors[name] = "must be a whole number" if text else "required"
-    for name in ("window", "sinks", "kv_bits", "kv_group_size", "max_kv_tokens"):
-        if name not in values:
-            continue
-        if name in CHOICES and values[name] not in CHOICES[name]:
-            errors[name] = f"must be {_one_of(CHOICES[name])}"
-        elif name in MINIMUM and values[name] < MINIMUM[name]:
-            errors[name] = f"must be >= {MINIMUM[name]}"
-    layout = str(raw.get("kv_key_layout", KEY_LAYOUTS[0]))
-    if layout in KEY_LAYOUTS:
-        values["kv_key_layout"] = layout
-    else:
-        errors["kv_key_layout"] = f"must be {_one_of(KEY_LAYOUTS)}"
+    for knob in DIALOG_KNOBS:
+        value, error = _field_value(knob, raw.get(knob.name))
+        if value is not None:
+            values[knob.name] = value
+        if error:
+            errors[knob.name] = error
     for rule in CROSS_RULES:  # each read once its fields are whole numbers in range
         broken = None if errors.keys() & set(rule.fields) else rule.violation(values)
         if broken is not None:
@@ -426,10 +397,27 @@ def validate_mode_fields(mode: str, raw: dict[str, str]) -> tuple[dict[str, int 
     return values, errors
 
 
-def _one_of(values: tuple) -> str:
-    """(4, 8) -> "4 or 8"; (32, 64, 128) -> "32, 64 or 128"."""
-    words = [str(v) for v in values]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+def _field_value(knob: Knob, raw: object) -> tuple[int | str | None, str]:
+    """A dialog field's value (None when it does not parse) and why it cannot be used ("" when it can).
+
+    A text knob is a Select (its default when absent); a typed number is kept once it parses, even
+    out of range (the dialog's ``values`` hold every field that parsed).
+    """
+    if knob.type is str:
+        text = str(knob.default if raw is None else raw)
+        return (text, "") if text in knob.choices else (None, f"must be {one_of(knob.choices)}")
+    text = str("" if raw is None else raw).strip()
+    try:
+        number = int(text)
+    except ValueError:
+        return None, "must be a whole number" if text else "required"
+    if knob.choices and number not in knob.choices:
+        return number, f"must be {one_of(knob.choices)}"
+    if knob.multiple is not None and (number <= 0 or number % knob.multiple):
+        return number, f"must be a positive multiple of {knob.multiple}"
+    if knob.minimum is not None and number < knob.minimum:
+        return number, f"must be >= {knob.minimum}"
+    return number, ""
 
 
 def next_mode(mode: str) -> str:

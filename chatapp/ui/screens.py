@@ -13,7 +13,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Button, DataTable, Input, Label, ProgressBar, Select, Static
 
-from cache.settings import KEY_LAYOUTS
+from cache.settings import DIALOG_KNOBS
 from chatapp.textsafe import printable
 
 from .clipboard import OSC52_NOTE
@@ -148,15 +148,9 @@ class ModeDialog(ModalScreen[tuple[str, dict] | None]):
     """Choose the cache mode and its settings; returns (mode, changed settings) or None."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
-    FIELDS = [
-        ("window", "window", "recent tokens kept at full precision"),
-        ("sinks", "sinks", "first tokens never evicted"),
-        ("kv_bits", "kv_bits", "4 or 8"),
-        ("kv_group_size", "kv_group_size", "32, 64 or 128"),
-        ("max_kv_tokens", "max_kv_tokens", "window-quant budget"),
-        ("kv_key_layout", "key layout", "quantised keys per token or channel"),
-    ]
-    CHOICE_FIELDS = {"kv_key_layout": KEY_LAYOUTS}  # a Select rather than a number
+    # (name, label, hint) per knob the dialog shows (cache.settings.KNOBS); a text knob is a Select
+    FIELDS = [(knob.name, knob.dialog_label, knob.dialog_hint) for knob in DIALOG_KNOBS]
+    CHOICE_FIELDS = {knob.name: knob.choices for knob in DIALOG_KNOBS if knob.type is str}
 
     def __init__(self, mode: str, settings: dict[str, int], effective: dict[str, int] | None = None,
                  busy: bool = False) -> None:
