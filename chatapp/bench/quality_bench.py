@@ -278,8 +278,10 @@ def model_itemsize(model) -> int:
 
     caches = make_caches(model, CacheSettings(mode="prealloc"))
     model(mx.array([[1]]), cache=caches)
-    k, _ = caches[0].content()
-    return k.dtype.size
+    # a model's own caches (a sliding-window layer's RotatingKVCache, first in Gemma 3) are
+    # read through mlx-lm's protocol; chatapp's through content()
+    k = next((c.content()[0] for c in caches if hasattr(c, "content")), None)
+    return (k if k is not None else caches[0].state[0]).dtype.size
 
 
 def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bool) -> dict[str, Any]:

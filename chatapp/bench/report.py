@@ -148,22 +148,23 @@ def mode_list(text: str) -> list[str]:
 
 
 # ---- the cache flags of the benches that build CacheSettings from the command line ------------------
-CACHE_FLAGS = ("window", "sinks", "max_kv_tokens", "evict_chunk", "quant_start", "kv_bits", "kv_group_size")
+def _bench_knobs():
+    """The number knobs of CacheSettings (cache.settings.KNOBS: the one declaration of each)."""
+    from cache.settings import SETTINGS_KNOBS
+
+    return tuple(k for k in SETTINGS_KNOBS if k.type is int)
 
 
 def add_cache_arguments(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """``--window --sinks --max-kv-tokens --evict-chunk --quant-start --kv-bits --kv-group-size``,
-    defaulting to the app's ``[cache]`` settings (``chatapp.config.CacheConfig``) unless a bench
-    passes its own (``max_kv_tokens=2048``); :func:`cache_knobs` reads them back."""
-    from chatapp.config import CacheConfig
-
-    base = CacheConfig()
-    for name in CACHE_FLAGS:
-        default = defaults.get(name, getattr(base, name))
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
-                       help=f"cache.{name} (default {default})")
+    """A flag per number knob of CacheSettings (``--window --sinks --max-kv-tokens ...``, as the
+    app's own flags), defaulting to the app's ``[cache]`` settings unless a bench passes its own
+    (``max_kv_tokens=2048``); :func:`cache_knobs` reads them back."""
+    for k in _bench_knobs():
+        default = defaults.get(k.name, k.default)
+        p.add_argument(k.option, dest=k.name, type=int, default=default,
+                       help=f"{k.name} (default {default}): {k.flag_help}")
 
 
 def cache_knobs(args) -> dict[str, int]:
     """The values of :func:`add_cache_arguments`'s flags, as CacheSettings keywords."""
-    return {name: getattr(args, name) for name in CACHE_FLAGS}
+    return {k.name: getattr(args, k.name) for k in _bench_knobs()}
