@@ -202,3 +202,42 @@ async def test_busy_data_dir_runs_in_memory_with_one_note(stories4_path, tmp_pat
         assert holder.list_conversations() == []
     finally:
         holder.close()
+
+
+class EngineThreadOnly:
+    """Stands in for the engine thread's chat object: any attribute read from another thread (the
+    UI's) fails the test, so the UI must take what it shows from the events."""
+
+    def __init__(self, chat) -> None:
+        object.__setattr__(self, "_chat", chat)
+
+    def __getattr__(self, name: str):
+        import threading
+
+        assert threading.current_thread().name == "chatapp-engine", f"the UI thread read chat.{name}"
+        return getattr(object.__getattribute__(self, "_chat"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(object.__getattribute__(self, "_chat"), name, value)
+
+
+@async_test
+async def test_a_first_turn_brings_its_conversation_id_to_the_ui(stories4_path, tmp_path):
+    """The conversation a first turn creates comes to the UI on its TurnDone: F7 marks it as the
+    current one without the UI reading the engine thread's chat."""
+    app = ChatApp(config_for(stories4_path, tmp_path), freeze_stats=True)
+
+    async def chat(pilot):
+        assert app.conversation_id is None
+        app.bridge.chat = EngineThreadOnly(app.bridge.chat)
+        await turn(pilot, "Once upon a time")
+        [(conv, _)] = stored(tmp_path)
+        assert app.conversation_id == conv.id
+        await pilot.press("f7")
+        assert isinstance(app.screen, SessionsScreen) and app.screen.current == conv.id
+        await pilot.press("escape")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        assert app.conversation_id is None
+
+    await run_and_quit(app, chat)

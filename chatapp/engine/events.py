@@ -79,6 +79,10 @@ class TokenEvent:
 class TurnDone:
     text: str  # the whole reply as kept in the conversation
     stats: TurnStats
+    # The saved conversation the turn went into (a first turn creates it); set by the store's turn
+    # driver, None when nothing is saved. The UI keeps its own copy from here rather than reading
+    # the engine thread's chat object.
+    conversation_id: int | None = None
 
 
 @dataclass

@@ -270,6 +270,7 @@ class PersistentChat(SnapshotResume):
                             self._write_partial(turn, now)
                 elif isinstance(ev, TurnDone):
                     self._end_turn(turn, finished=True)
+                    ev.conversation_id = self.conversation_id  # a first turn's sync just created it
                 yield ev
         finally:
             if self._turn is turn:

@@ -77,7 +77,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.verbose = verbose
         self.freeze_stats = freeze_stats
         self.bridge = EngineBridge(config, self.post_message, save=save, resume=resume)
-        self.conversation_id: int | None = None  # the saved conversation on screen, once opened / resumed
+        self.conversation_id: int | None = None  # the saved conversation on screen (opened, resumed, or a TurnDone's)
         self.conversation_title = ""
         self.resume_line = ""  # how the last opened conversation was resumed
         self.store_notes: list[tuple[str, str]] = []  # every note / error of the conversation store
@@ -147,8 +147,8 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.call_after_refresh(start_probe.reached, "input")
 
     def _current_conversation(self) -> int | None:
-        chat = self.bridge.chat  # an int read from the engine thread's object: no lock needed
-        return chat.conversation_id if chat is not None else self.conversation_id
+        # The UI's own copy (TurnDone, TranscriptLoaded, a new chat): never the engine thread's chat.
+        return self.conversation_id
 
     def list_conversations(self) -> tuple[list[Any], str]:
         """The saved conversations (read on the UI thread: SQLite readers never block the writer)."""

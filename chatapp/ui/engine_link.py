@@ -254,6 +254,8 @@ class EngineLinkApp(App[int]):
         self._reply = None
         self.live_stats = None
         self.phase = ""
+        if ev.conversation_id is not None:  # a first turn saved a new conversation
+            self.conversation_id = ev.conversation_id
         interrupted = stats.finish == "cancelled"
         if ev.text or not interrupted:
             if widget is not None:
