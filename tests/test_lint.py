@@ -37,7 +37,7 @@ LAYERS = {
 MOVED = [
     "cache/__init__.py", "chatapp/model", "chatapp/prompt", "chatapp/distributed", "chatapp/slash_commands.py",
     "chatapp/stdin_chat.py", "chatapp/sessions_cli.py", "chatapp/errors.py", "chatapp/cli.py",
-    "chatapp/backend/params.py", "chatapp/bench/common.py", "chatapp/ui/chat_worker.py", "tests/test_lint.py",
+    "chatapp/backend/params.py", "chatapp/bench/common.py", "chatapp/store/chat_requests.py", "tests/test_lint.py",
 ]
 
 

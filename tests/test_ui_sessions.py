@@ -229,7 +229,7 @@ async def test_a_first_turn_brings_its_conversation_id_to_the_ui(stories4_path, 
 
     async def chat(pilot):
         assert app.conversation_id is None
-        app.bridge.chat = EngineThreadOnly(app.bridge.chat)
+        app.bridge.requests.chat = EngineThreadOnly(app.bridge.requests.chat)
         await turn(pilot, "Once upon a time")
         [(conv, _)] = stored(tmp_path)
         assert app.conversation_id == conv.id

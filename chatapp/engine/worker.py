@@ -7,6 +7,12 @@ dataclasses of :mod:`chatapp.engine.events` (the TUI turns them into Textual mes
 that reports a change of the session carries the session's description after it, so a front end
 never asks again.
 ``cancel()`` is safe to call from any thread.
+
+One dispatcher (``_dispatch``) serves every request kind on this thread: a layer above may take a
+kind with :meth:`EngineWorker.handle` (the store's saved turns and conversations,
+``store/chat_requests.py``) and be told when the thread ends with :meth:`EngineWorker.on_stop`;
+the worker holds those parts rather than being subclassed by them, so the engine imports nothing
+from above.
 """
 
 from __future__ import annotations
@@ -30,7 +36,18 @@ class EngineWorker:
         self._emit = on_event
         self._queue: queue.Queue[Request] = queue.Queue()
         self.session: Session | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {}  # request kinds a layer above takes
+        self._stop_hooks: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="chatapp-engine", daemon=True)
+
+    def handle(self, kind: type, handler: Callable[[Any], None]) -> None:
+        """Before ``start``: requests of ``kind`` go to ``handler`` (on this thread) instead of the
+        engine's own handling; it may emit events and set ``session`` (a model switch)."""
+        self._handlers[kind] = handler
+
+    def on_stop(self, hook: Callable[[], None]) -> None:
+        """Before ``start``: ``hook`` runs on this thread as it ends (a failed load included)."""
+        self._stop_hooks.append(hook)
 
     def start(self) -> None:
         self._thread.start()
@@ -52,6 +69,13 @@ class EngineWorker:
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            for hook in self._stop_hooks:
+                hook()
+
+    def _serve(self) -> None:
+        try:
             self.session = self._make_session(self._emit)
         except Exception as e:  # noqa: BLE001 - reported to the user as one line
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
@@ -70,6 +94,10 @@ class EngineWorker:
                 self._emit(Idle())
 
     def _dispatch(self, request: Request) -> None:
+        handler = self._handlers.get(type(request))
+        if handler is not None:
+            handler(request)
+            return
         s = self.session
         match request:
             case Send(text):

@@ -1,10 +1,13 @@
 """The thread boundary between the engine and Textual.
 
 :class:`EngineWorker` runs all MLX work on its own thread and reports events through a
-callback that runs on that thread. :class:`EngineBridge` owns the worker, turns each event into
-the Textual message of its kind (:func:`chatapp.ui.messages.message_for`; ``post_message`` is
-thread-safe: it hands the message to the app's event loop with ``call_soon_threadsafe``), and
-keeps the requests in flight, oldest first: the one busy state of the UI.
+callback that runs on that thread; the store's part of that thread
+(:class:`~chatapp.store.chat_requests.ChatRequests`: the saved chat, its turns and conversations)
+is held by the worker and reports through the same callback. :class:`EngineBridge` owns the
+worker, turns each event into the Textual message of its kind
+(:func:`chatapp.ui.messages.message_for`; ``post_message`` is thread-safe: it hands the message
+to the app's event loop with ``call_soon_threadsafe``), and keeps the requests in flight, oldest
+first: the one busy state of the UI.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import traceback
 from collections import deque
 from typing import Any, Callable
 
-from chatapp.engine.events import ChatNotes, LoadProgress, PrefillProgress, StartupFailed, TokenEvent, TranscriptLoaded
+from chatapp.engine.events import LoadProgress, PrefillProgress, StartupFailed, TokenEvent
 from chatapp.engine.requests import (
     DeleteConversation,
     OpenConversation,
@@ -40,7 +43,7 @@ class EngineBridge:
         self._post = post
         self.save = save
         self.resume = resume
-        self.chat = None  # the PersistentChat; created and used on the engine thread only
+        self.requests = None  # the store's part of the engine thread (store/chat_requests.py), once started
         self.worker = None
         self.in_flight: deque[Request] = deque()
         self.started_at = 0.0
@@ -49,56 +52,14 @@ class EngineBridge:
 
     # -- engine thread ---------------------------------------------------------------------------
     def make_session(self, emit: Callable[[Any], None]):
-        from chatapp.engine.setup import load_engine, session_from_config
+        """Load the model and open the saved chat (the worker's loader; tests hold it to time a load)."""
+        return self.requests.make_session(emit)
 
-        emit(LoadProgress("load", f"loading {self.config.model.id}"))
-
-        def on_download(p) -> None:  # called on download threads
-            name = p.filename or "model files"
-            detail = f"downloading {name}: file {min(p.files_done + 1, p.files_total)} of {p.files_total}"
-            emit(LoadProgress("download", detail, p.percent))
-
-        loaded = load_engine(self.config, progress=on_download,
-                             on_slow_warm_up=lambda line: emit(LoadProgress("kernels", line)))
-        emit(LoadProgress("session", "preparing the session", 100.0))
-        session = session_from_config(self.config, loaded)
-        self._open_chat(session, loaded)
-        return session
-
-    def _open_chat(self, session, loaded):
-        """Save the conversation as it goes (docs/persistence.md); a data directory another
-        chatapp holds, or one that cannot be written, leaves the chat in memory, said in a note."""
-        from chatapp.store import resolve_data_dir
-        from chatapp.store.chat import ModelIdentity, open_chat
-
-        chat = open_chat(session, ModelIdentity.from_loaded(loaded, self.config.model.id),
-                         resolve_data_dir(self.config), save=self.save, resume=self.resume,
-                         snapshot_cap_mb=self.config.data.snapshot_cap_mb,
-                         prefix_cap_mb=self.config.data.prefix_cap_mb)
-        self.chat = chat
-        if chat.resume_info is not None:
-            self.emit_transcript(chat)  # shown once loaded; ``Loaded`` describes the session
-        self.emit_notes()
-
-    def emit_notes(self, extra: list[tuple[str, str]] | None = None) -> None:
-        """Engine thread: hand the store's pending notes (and ``extra``) to the UI."""
-        notes = list(extra or [])
-        if self.chat is not None:
-            notes += [(n.level, n.text) for n in self.chat.take_notes()]
-        if notes:
-            self._post(message_for(ChatNotes(notes)))
-
-    def emit_transcript(self, chat, session_info=None) -> None:
-        """Engine thread: the conversation ``chat`` resumed, with ``session_info`` (the session with it)."""
-        info = chat.resume_info
-        title = chat.store.get(info.conversation_id).title if chat.store is not None else ""
-        messages = [(m.role, m.content, m.interrupted) for m in chat.session.conversation.messages]
-        self._post(message_for(TranscriptLoaded(info.conversation_id, title, messages, info.from_snapshot,
-                                                info.line(), session_info)))
-        # The "snapshot not used" note is that line itself: show it once.
-        notes = [(n.level, n.text) for n in chat.take_notes() if n.text != info.line()]
-        if notes:
-            self._post(message_for(ChatNotes(notes)))
+    @property
+    def chat(self):
+        """The engine thread's PersistentChat, for tests that read it once the engine is idle; the UI
+        never does (what it shows comes in the events)."""
+        return self.requests.chat if self.requests is not None else None
 
     def on_event(self, event: Any) -> None:
         # TokenEvent / PrefillProgress carry the turn's live TurnStats, which the engine keeps
@@ -119,21 +80,25 @@ class EngineBridge:
     def _start_worker(self) -> None:
         self._post(message_for(LoadProgress("import", "starting the engine (importing MLX)")))
         try:
-            from .chat_worker import ChatWorker
+            from chatapp.engine.worker import EngineWorker
+            from chatapp.store.chat_requests import ChatRequests
         except Exception as e:  # noqa: BLE001 - shown to the user as one line
             self._post(message_for(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc())))
             return
         with self._lock:
             if self._stopping:
                 return
-            self.worker = ChatWorker(self)
+            # One worker, one dispatcher; the store's part takes the request kinds that touch the chat.
+            self.requests = ChatRequests(self.config, self.on_event, save=self.save, resume=self.resume)
+            self.worker = EngineWorker(self.make_session, self.on_event)
+            self.requests.attach(self.worker)
             self.worker.start()
 
     def submit(self, request: Request) -> None:
         self.in_flight.append(request)
         self.worker.submit(request)
 
-    # -- saved conversations (the sessions screen); each runs on the engine thread (ChatWorker) ----------
+    # -- saved conversations (the sessions screen); each runs on the engine thread (ChatRequests) -------
     def data_dir(self):
         from chatapp.store import resolve_data_dir
 
