@@ -87,6 +87,28 @@ def test_worker_dispatches_on_the_request_type_and_says_what_failed():
     assert regenerate_failure.message.startswith("regenerate failed:")  # the fake has no regenerate
 
 
+def test_a_part_takes_request_kinds_through_the_one_dispatcher():
+    """A layer above (the store's ChatRequests) takes a request kind with ``handle``: the worker's
+    one dispatcher hands it over (the engine's own handling never runs for it), every other kind
+    stays the engine's, and ``on_stop`` hooks run on the engine thread as it ends."""
+    import threading
+
+    from chatapp.engine.worker import EngineWorker
+
+    got, taken, stopped = [], [], []
+    session = _FakeSession()
+    worker = EngineWorker(lambda emit: session, got.append)
+    worker.handle(NewChat, lambda request: taken.append(request))
+    worker.on_stop(lambda: stopped.append(threading.current_thread().name))
+    worker.start()
+    worker.submit(NewChat())
+    worker.submit(Send("hi"))
+    worker.stop()
+    worker.join(10)
+    assert taken == [NewChat()] and session.calls == [("send", "hi", "clear")]
+    assert stopped == ["chatapp-engine"]
+
+
 def test_each_request_starts_with_a_clear_cancel_flag():
     """Esc as a reply ends (its TurnDone) sets the cancel flag after the reply checked it last; the
     mode switch queued behind the reply (F3 during it) and the next message must not see it."""
