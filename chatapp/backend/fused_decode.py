@@ -49,6 +49,7 @@ from .fused_settings import (
 )
 from .fused_support import (
     PROJECTIONS,
+    WIDENED_BITS,
     attention_head_dim,
     cache_refusal,
     fused_unsupported,
@@ -57,6 +58,20 @@ from .fused_support import (
 )
 from .kv_native import NativeRowOps
 from .qlinear import last_position_wanted
+
+
+def _one_scale_dtype(projections: list[list[tuple]]) -> list[list[tuple]]:
+    """Each projection's (packed, scales, biases) of every layer, all with one scales dtype: a
+    typed list holds one type, and the prefill kernel takes q, k and v (and gate and up) through
+    one variable. Where they differ (a Q4_K_M file: Q4_K's float32 scales, Q5_0's and Q8_0's
+    float16), float16 bits are widened to float32 (exact; 2 more bytes per 32 weights)."""
+    if len({w[1].dtype for ws in projections for w in ws}) == 1:
+        return projections
+
+    def f32(a: np.ndarray) -> np.ndarray:
+        return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
+
+    return [[(packed, f32(scales), f32(biases)) for packed, scales, biases in ws] for ws in projections]
 
 
 class FusedDecoder:
@@ -79,6 +94,8 @@ class FusedDecoder:
         # prefill chunks (run under last_position_only) through kernels/prefill_step.py too
         self.prefill_chunks = True
         self.layers: list[FusedLayer] = [read_layer(layer) for layer in inner.layers]
+        # the matrices read widened to a byte a value (fused_layers.widened), for the plan's line
+        self.widened = sum(layer[p][n].bits in WIDENED_BITS for layer in inner.layers for p, n in PROJECTIONS)
         attn = inner.layers[0]["self_attn"]
         last = inner.layers[-1]
         self.group_size = int(packed_weights(last["self_attn"]["q_proj"]).group_size)
@@ -123,7 +140,8 @@ class FusedDecoder:
         from chatapp.kernels.typed_lists import typed_list
 
         self.layers = layers
-        self._lists = [typed_list([layer.weights[j] for layer in layers]) for j in range(len(PROJECTIONS))]
+        per_projection = _one_scale_dtype([[layer.weights[j] for layer in layers] for j in range(len(PROJECTIONS))])
+        self._lists = [typed_list(ws) for ws in per_projection]
         self._attn_norms = np.stack([layer.attn_norm for layer in layers])
         self._mlp_norms = np.stack([layer.mlp_norm for layer in layers])
         self._bits = np.stack([layer.bits for layer in layers])
@@ -585,7 +603,9 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
         model.__class__ = _fused_class(type(model))
     return (f"fused decode: one native call per token ({len(dec.layers)} layers), then the output head; "
             f"prefill chunks: one native call each ({'the same int8 products' if numerics == 'fast' else 'float32'}); "
-            f"{numerics_line(numerics)}; {kv_dtype_line(kv_dtype)}")
+            f"{numerics_line(numerics)}; {kv_dtype_line(kv_dtype)}"
+            + (f"; {dec.widened} 3/5/6-bit matrices read widened to a byte a value (exact, 8 / bits of their "
+               "bytes)" if dec.widened else ""))
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:

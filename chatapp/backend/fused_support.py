@@ -30,6 +30,16 @@ def inner_model(model: nn.Module):
     return model.get("model") if isinstance(model, nn.Module) else None
 
 
+# bit widths the fused steps read widened to one byte a value (fused_layers.packed_weights): GGUF's
+# Q5_0/Q5_1/Q5_K (a Q4_K_M file's fallback for rows not a multiple of 256) and MLX's 3/5/6-bit
+WIDENED_BITS = (3, 5, 6)
+
+
+def kernel_bits(bits: int) -> int:
+    """The bit width the fused kernels read a ``bits``-bit weight as."""
+    return 8 if bits in WIDENED_BITS else bits
+
+
 def _quantised(m) -> str | None:
     """None when ``m`` is a quantised linear/embedding the packed kernels can read."""
     from chatapp.kernels.qmatmul import unsupported
@@ -38,7 +48,7 @@ def _quantised(m) -> str | None:
         return f"{type(m).__name__} is not quantised"
     if m.get("biases") is None:
         return "no quantisation biases (kernels: affine)"
-    return unsupported(m.bits, m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
+    return unsupported(kernel_bits(m.bits), m.group_size, m["weight"].shape[1] * 32 // m.bits, m.mode)
 
 
 def rope_frequencies(rope, head_dim: int | None) -> np.ndarray | str:
