@@ -30,6 +30,78 @@ class E:  # an entry of the transcript mirror
         self.role, self.text, self.widget = role, text, None
 
 
+class FakeHost:
+    """The app as the comforts see it (ComfortHost): a part can be exercised without Textual."""
+
+    def __init__(self, entries, busy=False):
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(chat=SimpleNamespace(system=""), model=SimpleNamespace(id="old"),
+                                      ui=SimpleNamespace(theme="textual-dark"))
+        self.entries, self.busy = entries, busy
+        self.conversation_id, self.conversation_title, self.model_id = 7, "Cats", "old"
+        self.info, self.store_notes, self.loaded = None, [], True
+        self.calls = []
+
+    def notify(self, message, **kwargs):
+        self.calls.append(("notify", message))
+
+    def copy_to_clipboard(self, text):
+        self.calls.append(("copy", text))
+
+    def push_screen(self, screen, callback=None):
+        self.calls.append(("screen", type(screen).__name__))
+
+    def refuse_busy(self, what):
+        return self.busy
+
+    def submit(self, request):
+        self.calls.append(("submit", request))
+
+    def set_phase(self, phase):
+        self.calls.append(("phase", phase))
+
+    def notice(self, note):
+        self.calls.append(("notice", note))
+
+    def show_session(self, info):
+        self.calls.append(("session", info))
+
+    async def show_system_prompt(self, text):
+        self.calls.append(("system", text))
+
+
+def test_the_comforts_are_a_part_that_reaches_the_app_only_through_its_host():
+    """Comforts owns its state (the model dialog) and uses only the host's public face: copy,
+    export, the system prompt and a model switch's result, with no Textual app behind it."""
+    import asyncio
+
+    from chatapp.engine.events import ModelSwitch, SystemChange
+    from chatapp.engine.requests import SetSystemPrompt, SwitchModel
+    from chatapp.ui.comforts import Comforts
+
+    host = FakeHost([E("user", "hi"), E("assistant", "```\nls\n```")])
+    comforts = Comforts(host, data_dir=lambda: "/nonexistent")
+    comforts.copy_last_reply()
+    comforts.copy_code()
+    assert ("copy", "```\nls\n```") in host.calls and ("copy", "ls\n") in host.calls
+    assert "# Cats" in comforts.export_text("markdown") and json.loads(comforts.export_text("json"))
+    comforts.export()
+    assert host.calls[-1] == ("screen", "ExportDialog")
+    comforts.set_system_prompt("Be brief.")
+    comforts.switch_model("new")
+    assert ("submit", SetSystemPrompt("Be brief.")) in host.calls and ("submit", SwitchModel("new")) in host.calls
+    assert ("phase", "loading new") in host.calls and comforts.model_dialog is None
+    asyncio.run(comforts.system_changed(SystemChange("Be brief.", changed=True)))
+    assert host.config.chat.system == "Be brief." and ("system", "Be brief.") in host.calls
+    asyncio.run(comforts.model_switched(ModelSwitch("new", ok=True, model_id="new", notes=["n"])))
+    assert host.model_id == "new" and host.store_notes and ("notice", "n") in host.calls
+    host.busy = True
+    before = list(host.calls)
+    comforts.switch_model("other")  # refused while busy: nothing sent
+    assert host.calls == before
+
+
 def test_code_blocks_and_copyables():
     reply = "Here:\n\n```python\nprint('hi')\n```\n\nand\n\n```\nls -l\n```\n"
     assert code_blocks(reply) == [("python", "print('hi')\n"), ("", "ls -l\n")]
@@ -156,7 +228,7 @@ async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_t
     app = make_app(stories4_path)
     async with app.run_test(size=(100, 30)) as pilot:
         dialog = await open_model_dialog(pilot)
-        monkeypatch.setattr(app, "_refuse_busy", lambda what: True)  # as while a reply streams
+        monkeypatch.setattr(app, "refuse_busy", lambda what: True)  # as while a reply streams
         dialog.query_one("#model-input").value = str(stories_path)
         await pilot.press("enter")
         await pilot.pause()

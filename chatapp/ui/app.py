@@ -37,15 +37,16 @@ from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 from . import start_probe
 from .bridge import EngineBridge
 from .coalesce import Coalescer
-from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, ComfortActions
-from .engine_link import INPUT_TITLE, EngineLinkApp, Entry
+from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
+from .dialogs import ModelDialog
+from .engine_link import INPUT_TITLE, EngineLinkApp
 from .format import MODES, next_mode
 from .markers import EvictionWatch
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
-from .widgets import AssistantMessage, ChatInput, ChatView, SidePanel, StatusBar, UserMessage
+from .widgets import AssistantMessage, ChatInput, ChatView, Entry, SidePanel, StatusBar, UserMessage
 
 
-class ChatApp(ComfortActions, EngineLinkApp):
+class ChatApp(EngineLinkApp):
     CSS_PATH = "app.tcss"
     TITLE = "chatapp"
     ENABLE_COMMAND_PALETTE = True
@@ -111,6 +112,8 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
         self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
+        # copy, export, themes, system prompt, model switch: a part with its own state (ui/comforts.py)
+        self.comforts = Comforts(self, self.bridge.data_dir)
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -174,7 +177,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
 
     def open_conversation(self, conversation_id: int) -> None:
         """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
-        if self._refuse_busy("open"):
+        if self.refuse_busy("open"):
             return
         self.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
         self._update_input_state()
@@ -187,12 +190,12 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self._update_input_state()
 
     def delete_conversation(self, conversation_id: int) -> None:
-        if self._refuse_busy("delete"):
+        if self.refuse_busy("delete"):
             return
         self.bridge.delete_conversation(conversation_id)
         self._update_input_state()
 
-    def _refuse_busy(self, what: str) -> bool:
+    def refuse_busy(self, what: str) -> bool:
         if not self.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return True
@@ -214,7 +217,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
             await self._queue(text)  # sent once the model is loaded
             return
         if self.editing:
-            if self._refuse_busy("not resent"):
+            if self.refuse_busy("not resent"):
                 return
             message.chat_input.clear()
             await self._resend_edited(text)
@@ -282,7 +285,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
             self._update_input_state()
 
     async def action_new_chat(self) -> None:
-        if self._refuse_busy("new chat"):
+        if self.refuse_busy("new chat"):
             return
         await self._clear_conversation()
         self.submit(NewChat())  # the engine answers with the new session's description
@@ -290,7 +293,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.notify("new chat", markup=False, timeout=2)
 
     async def action_regenerate(self) -> None:
-        if self._refuse_busy("regenerate"):
+        if self.refuse_busy("regenerate"):
             return
         if self._last_user() is None:
             self.notify("nothing to regenerate yet", markup=False)
@@ -302,7 +305,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         await self._start_reply(Regenerate())
 
     def action_edit_last(self) -> None:
-        if self._refuse_busy("edit"):
+        if self.refuse_busy("edit"):
             return
         i = self._last_user()
         if i is None:
@@ -375,7 +378,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.push_screen(ModeDialog(self.requested_mode, settings, effective, busy=self.bridge.busy), done)
 
     def action_compare(self) -> None:
-        if self._refuse_busy("compare"):
+        if self.refuse_busy("compare"):
             return
         if self._last_user() is None:
             self.notify("send a message first: compare replays the last turn", markup=False)
@@ -387,6 +390,33 @@ class ChatApp(ComfortActions, EngineLinkApp):
         self.submit(Compare(tuple(MODES), max_tokens))
         self.phase = "comparing"
         self._update_status()
+
+    # ---- the comforts (ui/comforts.py): Textual finds actions on the app, the part does the work ----
+    def action_copy_last_reply(self) -> None:
+        self.comforts.copy_last_reply()
+
+    def action_copy_code(self) -> None:
+        self.comforts.copy_code()
+
+    def action_copy_dialog(self) -> None:
+        self.comforts.copy_dialog()
+
+    def action_export(self) -> None:
+        self.comforts.export()
+
+    def action_system_prompt(self) -> None:
+        self.comforts.system_prompt()
+
+    def action_switch_model(self) -> None:
+        self.comforts.open_model_dialog()
+
+    def watch_theme(self, name: str) -> None:
+        self.comforts.theme_changed(name)
+
+    @property
+    def model_dialog(self) -> ModelDialog | None:
+        """The model dialog while a switch may report into it (owned by the comforts)."""
+        return self.comforts.model_dialog
 
     async def action_quit(self) -> None:
         self.bridge.stop(timeout=1.0)
@@ -433,7 +463,7 @@ class ChatApp(ComfortActions, EngineLinkApp):
                             self.action_show_config)
         yield SystemCommand("Saved conversations", "F7: open (resume), rename or delete a saved conversation",
                             self.action_sessions)
-        yield from self.comfort_commands()
+        yield from self.comforts.commands()
         yield SystemCommand("Help", "F1: keys and gauges", self.action_help)
 
 

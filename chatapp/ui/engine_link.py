@@ -13,8 +13,8 @@ reported by the engine (``CacheView.first_visible_message``) map to transcript w
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
 
 from textual import on
 from textual.app import App
@@ -55,6 +55,7 @@ from .widgets import (
     ChatInput,
     ChatMessage,
     ChatView,
+    Entry,
     SidePanel,
     StatusBar,
     SystemMessage,
@@ -65,15 +66,6 @@ INPUT_TITLE = "message · Enter sends · Ctrl+J new line"
 BUSY_TITLE = "reply streaming · Enter queues your message · Esc stops"
 EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
 LOADING_TITLE = "the model is loading · Enter queues your message · Ctrl+Q quits"
-
-
-@dataclass
-class Entry:
-    """One message of the session's conversation, as the UI mirrors it."""
-
-    role: str
-    text: str
-    widget: ChatMessage | None = None
 
 
 class EngineLinkApp(App[int]):
@@ -93,10 +85,9 @@ class EngineLinkApp(App[int]):
         if self.loading_screen is not None:
             self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
         elif not self.loaded:
-            self.phase = f"loading: {ev.detail}"
-            self._update_status()
-        elif self.model_dialog is not None:  # a switch compiling the new model's kernels
-            self.model_dialog.progress(ev.detail)
+            self.set_phase(f"loading: {ev.detail}")
+        else:  # a switch compiling the new model's kernels: its dialog shows it
+            self.comforts.model_progress(ev.detail)
 
     @on(InfoMessage)
     def _on_info(self, message: InfoMessage) -> None:
@@ -130,12 +121,12 @@ class EngineLinkApp(App[int]):
     @on(SystemPromptMessage)
     async def _on_system_prompt(self, message: SystemPromptMessage) -> None:
         self._seen(message)
-        await self._system_changed(message.event)  # ui/comforts.py
+        await self.comforts.system_changed(message.event)
 
     @on(ModelSwitchMessage)
     async def _on_model_switch(self, message: ModelSwitchMessage) -> None:
         self._seen(message)
-        await self._model_switched(message.event)  # ui/comforts.py
+        await self.comforts.model_switched(message.event)
 
     @on(ModelReleasedMessage)
     def _on_model_released(self, message: ModelReleasedMessage) -> None:
@@ -181,7 +172,7 @@ class EngineLinkApp(App[int]):
         report = message.event.report
         self.notify(report.line(), title="cache mode", markup=False)
         self.mode = report.mode
-        self._describe(message.event.info)
+        self.show_session(message.event.info)
 
     @on(CompareMessage)
     def _on_compare(self, message: CompareMessage) -> None:
@@ -208,10 +199,10 @@ class EngineLinkApp(App[int]):
         elif self.config.chat.system:
             await self._add_message(SystemMessage(self.config.chat.system, 0), "system")
         for note in ev.notes:
-            self._notice(note)
+            self.notice(note)
         if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
             self.notify(self.blas.summary(), markup=False)
-        self._describe(ev.info)
+        self.show_session(ev.info)
         if self.queued:  # typed while loading: after what the load showed, then sent in turn
             for text in await self._take_queued():
                 await self._queue(text)
@@ -223,7 +214,7 @@ class EngineLinkApp(App[int]):
         self._update_status()
         start_probe.reached("ready")
 
-    def _describe(self, info: SessionInfo | None) -> None:
+    def show_session(self, info: SessionInfo | None) -> None:
         """A state change's event came with the session it produced: show it (no second request)."""
         if info is not None:
             self._session_info(info)
@@ -272,7 +263,7 @@ class EngineLinkApp(App[int]):
             self.store_notes.append(("note", stats.prefix_line()))
             self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
-            self._notice(note)
+            self.notice(note)
         self._mark_evicted(stats.cache)
         self._cache_markers(stats.cache)
         self._update_status()
@@ -313,12 +304,36 @@ class EngineLinkApp(App[int]):
             return
         self.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
 
-    def _notice(self, note: str) -> None:
+    def notice(self, note: str) -> None:
         key = re.sub(r"\d+", "#", note)
         if key in self._seen_notices:
             return
         self._seen_notices.add(key)
         self.notify(note, title="note", severity="warning", markup=False, timeout=10)
+
+    async def show_system_prompt(self, text: str) -> None:
+        """The conversation's system prompt is ``text`` now ("" none): the transcript mirror follows."""
+        chat = self.query_one(ChatView)
+        first = self.entries[0] if self.entries else None
+        if first is not None and first.role == "system":
+            if text:
+                first.text = text
+                if first.widget is not None:
+                    first.widget.set_text(text)
+            else:
+                self.entries.pop(0)
+                if first.widget is not None and first.widget.is_attached:
+                    await first.widget.remove()
+        elif text:
+            widget = SystemMessage(text, 0)
+            if first is None:
+                await self._add_message(widget, "system")
+            else:
+                self.entries.insert(0, dataclasses.replace(first, role="system", text=text, widget=widget))
+                await chat.mount(widget, before=chat.children[0] if chat.children else None)
+        for i, e in enumerate(self.entries):
+            if e.widget is not None:
+                e.widget.conv_index = i
 
     # ---- saved conversations ----------------------------------------------------------------------
     def _store_notes(self, notes: list[tuple[str, str]]) -> None:
@@ -362,7 +377,7 @@ class EngineLinkApp(App[int]):
         if ev.deleted:
             if ev.current:
                 await self._clear_conversation()
-                self._describe(ev.info)
+                self.show_session(ev.info)
             self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
         else:
             if ev.current:
@@ -474,6 +489,11 @@ class EngineLinkApp(App[int]):
         if self.mode in CAPPED:
             return e.get("max_kv_tokens")
         return None
+
+    def set_phase(self, phase: str) -> None:
+        """What the status bar says the app is doing ("" nothing in particular); shown at once."""
+        self.phase = phase
+        self._update_status()
 
     def _update_status(self) -> None:
         """Rebuild the status bar now (per-token figures go through ``status_rate.request``)."""

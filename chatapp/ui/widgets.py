@@ -8,6 +8,7 @@ anything that parses Rich/Textual markup.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from rich.text import Text
@@ -46,6 +47,15 @@ def safe_text(text: str, style: str = "") -> Text:
 
 
 # ---- transcript -----------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """One message of the session's conversation, as the UI mirrors it (the app's ``entries``)."""
+
+    role: str
+    text: str
+    widget: ChatMessage | None = None
+
+
 class ChatMessage(Vertical):
     """One message of the transcript: a header line (role and state tags) and a body."""
 
