@@ -139,6 +139,18 @@ def replies(app) -> list[AssistantMessage]:
 
 
 # ---- chat ---------------------------------------------------------------------------------------------
+def test_every_engine_event_has_one_handler_behind_the_one_dispatcher():
+    """Each event kind that becomes a message (ui/messages.MESSAGES) is shown by a handler of the
+    app's one ``@on(EngineMessage)`` dispatcher, and that dispatcher is the only engine ``@on``."""
+    from chatapp.ui.engine_link import HANDLERS, EngineLinkApp
+    from chatapp.ui.messages import MESSAGES, EngineMessage
+
+    assert set(HANDLERS) == set(MESSAGES)
+    handled = {kind for cls in ChatApp.__mro__ for kind in cls.__dict__.get("_decorated_handlers", {})}
+    assert {k for k in handled if issubclass(k, EngineMessage)} == {EngineMessage}
+    assert all(getattr(EngineLinkApp, m.__name__) is m for m in HANDLERS.values())
+
+
 @async_test
 async def test_send_streams_reply_and_updates_gauges(stories4_path):
     app = make_app(stories4_path, freeze_stats=False, **{"sampling.max_tokens": 120})

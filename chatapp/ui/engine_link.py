@@ -3,8 +3,10 @@ transcript mirror, the status bar and the side panel.
 
 :class:`EngineLinkApp` is the base of :class:`chatapp.ui.app.ChatApp` (which adds the layout,
 the input, the actions and the command palette, and sets the state read here in its
-``__init__``). Each kind of engine event arrives as its own message (:mod:`chatapp.ui.messages`)
-and is handled by its own ``@on`` handler below; each records its ``kind`` in ``event_log``.
+``__init__``). Each kind of engine event arrives as its own message (:mod:`chatapp.ui.messages`,
+all subclasses of ``EngineMessage``); one ``@on(EngineMessage)`` dispatcher records its ``kind``
+in ``event_log`` and runs the kind's handler, a method marked ``@handles(<event type>)``
+(``HANDLERS``). The comforts' results go on to their part (``self.comforts``, ui/comforts.py).
 The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
 
 The UI keeps a mirror of the session's conversation (``entries``) so that message indexes
@@ -14,41 +16,40 @@ reported by the engine (``CacheView.first_visible_message``) map to transcript w
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
+from typing import Any, Callable
 
 from textual import on
 from textual.app import App
 
 from cache.settings import CAPPED
-from chatapp.engine.events import SessionInfo
+from chatapp.engine.events import (
+    ChatNotes,
+    CompareResult,
+    ConversationChanged,
+    Failed,
+    Idle,
+    Loaded,
+    LoadProgress,
+    ModelReleased,
+    ModelSwitch,
+    PrefillProgress,
+    SessionInfo,
+    StartupFailed,
+    Switched,
+    SystemChange,
+    TokenEvent,
+    TranscriptLoaded,
+    TurnDone,
+)
 from chatapp.engine.requests import Compare, EditLast, Regenerate, Request, Send
 from chatapp.engine.stats import CacheView, TurnStats
 
 from . import start_probe
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
 from .markers import CacheNotice, apply_markers
-from .messages import (
-    CompareMessage,
-    ConversationChanged,
-    ConversationMessage,
-    EngineMessage,
-    FailedMessage,
-    IdleMessage,
-    InfoMessage,
-    LoadedMessage,
-    LoadingMessage,
-    ModelReleasedMessage,
-    ModelSwitchMessage,
-    NotesMessage,
-    PrefillMessage,
-    StartupFailedMessage,
-    SwitchedMessage,
-    SystemPromptMessage,
-    TokenMessage,
-    TranscriptLoaded,
-    TranscriptMessage,
-    TurnDoneMessage,
-)
+from .messages import EngineMessage
 from .screens import LoadingScreen
 from .widgets import (
     AssistantMessage,
@@ -68,15 +69,35 @@ EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
 LOADING_TITLE = "the model is loading · Enter queues your message · Ctrl+Q quits"
 
 
-class EngineLinkApp(App[int]):
-    # ---- engine messages, one handler per kind ------------------------------------------------------
-    def _seen(self, message: EngineMessage) -> None:
-        self.event_log.append(message.kind)
+#: event kind -> the EngineLinkApp method that shows it (filled by ``@handles``; one per kind)
+HANDLERS: dict[type, Callable[[Any, Any], Any]] = {}
 
-    @on(LoadingMessage)
-    async def _on_loading(self, message: LoadingMessage) -> None:
-        self._seen(message)
-        ev = message.event
+
+def handles(*kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make the decorated method the handler of these engine event kinds."""
+
+    def register(method: Callable[..., Any]) -> Callable[..., Any]:
+        for kind in kinds:
+            HANDLERS[kind] = method
+        return method
+
+    return register
+
+
+class EngineLinkApp(App[int]):
+    # ---- engine messages: one dispatcher, one handler per kind -----------------------------------------
+    @on(EngineMessage)
+    async def _on_engine(self, message: EngineMessage) -> None:
+        """Every engine event arrives here (its message subclasses EngineMessage): the kind is
+        recorded and its handler, looked up by the event's type, runs. One dispatcher rather than
+        one forwarding ``@on`` method per kind: an event is one hop from the message to its handler."""
+        self.event_log.append(message.kind)
+        result = HANDLERS[type(message.event)](self, message.event)
+        if inspect.isawaitable(result):
+            await result
+
+    @handles(LoadProgress)
+    async def _loading(self, ev: LoadProgress) -> None:
         if self.loading_screen is None and not self.loaded and ev.phase == "download":
             # a download takes minutes: its own screen with a progress bar (a later start loads
             # under the chat, whose input box takes messages from the first frame on)
@@ -89,95 +110,47 @@ class EngineLinkApp(App[int]):
         else:  # a switch compiling the new model's kernels: its dialog shows it
             self.comforts.model_progress(ev.detail)
 
-    @on(InfoMessage)
-    def _on_info(self, message: InfoMessage) -> None:
-        self._seen(message)
-        self._session_info(message.event)
-
-    @on(StartupFailedMessage)
-    @on(FailedMessage)
-    def _on_failed(self, message: FailedMessage | StartupFailedMessage) -> None:
-        self._seen(message)
-        self._failed(message.event)
-
-    @on(NotesMessage)
-    def _on_notes(self, message: NotesMessage) -> None:
-        self._seen(message)
-        self._store_notes(message.event.notes)
-
-    @on(TranscriptMessage)
-    async def _on_transcript(self, message: TranscriptMessage) -> None:
-        self._seen(message)
+    @handles(TranscriptLoaded)
+    async def _transcript(self, ev: TranscriptLoaded) -> None:
         if self.loaded:
-            await self._show_transcript(message.event)
+            await self._show_transcript(ev)
         else:
-            self._pending_transcript = message.event
+            self._pending_transcript = ev
 
-    @on(ConversationMessage)
-    async def _on_conversation(self, message: ConversationMessage) -> None:
-        self._seen(message)
-        await self._conversation_changed(message.event)
+    @handles(SystemChange)
+    async def _system_changed(self, ev: SystemChange) -> None:
+        await self.comforts.system_changed(ev)  # the part that asked for it (ui/comforts.py)
 
-    @on(SystemPromptMessage)
-    async def _on_system_prompt(self, message: SystemPromptMessage) -> None:
-        self._seen(message)
-        await self.comforts.system_changed(message.event)
+    @handles(ModelSwitch)
+    async def _model_switched(self, ev: ModelSwitch) -> None:
+        await self.comforts.model_switched(ev)
 
-    @on(ModelSwitchMessage)
-    async def _on_model_switch(self, message: ModelSwitchMessage) -> None:
-        self._seen(message)
-        await self.comforts.model_switched(message.event)
-
-    @on(ModelReleasedMessage)
-    def _on_model_released(self, message: ModelReleasedMessage) -> None:
-        self._seen(message)
-        line = message.event.line()
+    @handles(ModelReleased)
+    def _model_released(self, ev: ModelReleased) -> None:
+        line = ev.line()
         self.store_notes.append(("note", line))
         self.notify(line, title="model switched", markup=False, timeout=12)
 
-    @on(TokenMessage)
-    def _on_token(self, message: TokenMessage) -> None:
-        self._seen(message)
-        ev = message.event
+    @handles(TokenEvent)
+    def _token(self, ev: TokenEvent) -> None:
         self.live_stats = self._fz(ev.stats)
         self._pending_text += ev.text
         self.status_rate.request()  # rebuilt a few times a second, not per token (ui/coalesce.py)
 
-    @on(PrefillMessage)
-    def _on_prefill(self, message: PrefillMessage) -> None:
-        self._seen(message)
-        ev = message.event
+    @handles(PrefillProgress)
+    def _prefill(self, ev: PrefillProgress) -> None:
         self.live_stats = self._fz(ev.stats)
         self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
         self.status_rate.request()
 
-    @on(TurnDoneMessage)
-    async def _on_turn_done(self, message: TurnDoneMessage) -> None:
-        self._seen(message)
-        await self._turn_done(message.event)
+    @handles(Switched)
+    def _switched(self, ev: Switched) -> None:
+        self.notify(ev.report.line(), title="cache mode", markup=False)
+        self.mode = ev.report.mode
+        self.show_session(ev.info)
 
-    @on(IdleMessage)
-    async def _on_idle(self, message: IdleMessage) -> None:
-        self._seen(message)
-        await self._idle()
-
-    @on(LoadedMessage)
-    async def _on_loaded(self, message: LoadedMessage) -> None:
-        self._seen(message)
-        await self._loaded(message.event)
-
-    @on(SwitchedMessage)
-    def _on_switched(self, message: SwitchedMessage) -> None:
-        self._seen(message)
-        report = message.event.report
-        self.notify(report.line(), title="cache mode", markup=False)
-        self.mode = report.mode
-        self.show_session(message.event.info)
-
-    @on(CompareMessage)
-    def _on_compare(self, message: CompareMessage) -> None:
-        self._seen(message)
-        ev = message.event
+    @handles(CompareResult)
+    def _compare_row(self, ev: CompareResult) -> None:
         self.compare_rows.append(ev.row)
         if self.compare_screen is not None:
             self.compare_screen.add_row(ev.row, ev.done)
@@ -185,7 +158,8 @@ class EngineLinkApp(App[int]):
     def _fz(self, stats: TurnStats) -> TurnStats:
         return freeze(stats) if self.freeze_stats else stats
 
-    async def _loaded(self, ev) -> None:
+    @handles(Loaded)
+    async def _loaded(self, ev: Loaded) -> None:
         self.loaded = True
         self.phase = ""
         self.model_id = ev.model_id or self.model_id
@@ -214,14 +188,13 @@ class EngineLinkApp(App[int]):
         self._update_status()
         start_probe.reached("ready")
 
+    @handles(SessionInfo)
     def show_session(self, info: SessionInfo | None) -> None:
-        """A state change's event came with the session it produced: show it (no second request)."""
-        if info is not None:
-            self._session_info(info)
-        else:
+        """A state change's event came with the session it produced (or it is the description
+        itself): show it, no second request. None: only the status bar is rebuilt."""
+        if info is None:
             self._update_status()
-
-    def _session_info(self, info: SessionInfo) -> None:
+            return
         if self.freeze_stats:
             info.cache = freeze_cache(info.cache)
             info.memory = freeze_memory(info.memory)
@@ -235,7 +208,8 @@ class EngineLinkApp(App[int]):
         self._update_status()
         self._update_panel()
 
-    async def _turn_done(self, ev) -> None:
+    @handles(TurnDone)
+    async def _turn_done(self, ev: TurnDone) -> None:
         stats = self._fz(ev.stats)
         widget = self._reply
         async with self._stream_lock:
@@ -269,7 +243,8 @@ class EngineLinkApp(App[int]):
         self._update_status()
         self._update_panel()
 
-    async def _idle(self) -> None:
+    @handles(Idle)
+    async def _idle(self, _ev: Idle) -> None:
         request = self.bridge.idle()
         match request:
             case Send() | Regenerate() | EditLast() if self._reply is not None:
@@ -287,10 +262,11 @@ class EngineLinkApp(App[int]):
         self._update_input_state()
         self._update_status()
 
-    def _failed(self, ev) -> None:
+    @handles(Failed, StartupFailed)
+    def _failed(self, ev: Failed | StartupFailed) -> None:
         self.failures.append((ev.message, ev.detail))
         if getattr(ev, "info", None) is not None:  # the session after the failed request (StartupFailed has none)
-            self._session_info(ev.info)
+            self.show_session(ev.info)
         if not self.loaded:
             self.load_error = ev.message
             self.phase = "not loaded"
@@ -336,8 +312,9 @@ class EngineLinkApp(App[int]):
                 e.widget.conv_index = i
 
     # ---- saved conversations ----------------------------------------------------------------------
-    def _store_notes(self, notes: list[tuple[str, str]]) -> None:
-        for level, text in notes:
+    @handles(ChatNotes)
+    def _store_notes(self, ev: ChatNotes) -> None:
+        for level, text in ev.notes:
             self.store_notes.append((level, text))
             self.notify(text, title="error" if level == "error" else "note",
                         severity="error" if level == "error" else "warning", markup=False, timeout=10)
@@ -366,13 +343,14 @@ class EngineLinkApp(App[int]):
         self.resume_line = ev.line
         self.sub_title = ev.title
         if ev.info is not None:
-            self._session_info(ev.info)
+            self.show_session(ev.info)
         self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
                     severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
         self._update_input_state()
         self._update_status()
         self._update_panel()
 
+    @handles(ConversationChanged)
     async def _conversation_changed(self, ev: ConversationChanged) -> None:
         if ev.deleted:
             if ev.current:

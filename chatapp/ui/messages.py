@@ -2,9 +2,10 @@
 
 Every event that crosses the engine thread (:mod:`chatapp.engine.events`, their one home: the
 engine's, the store's and the bridge's own) is wrapped by :func:`message_for` into the message of
-its kind and posted to the app (``post_message`` is thread-safe). The app handles each kind with
-its own ``@on`` handler. Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which
-the app records in ``event_log``.
+its kind and posted to the app (``post_message`` is thread-safe). The app's one
+``@on(EngineMessage)`` dispatcher hands each to its kind's handler (``ui/engine_link.HANDLERS``).
+Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which the
+app records in ``event_log``.
 """
 
 from __future__ import annotations
