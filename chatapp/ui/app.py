@@ -20,7 +20,6 @@ the saved conversations and opens (resumes), renames or deletes them.
 from __future__ import annotations
 
 import sys
-from collections import deque
 from typing import Any, Iterable
 
 from textual.app import ComposeResult, SystemCommand
@@ -29,21 +28,16 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from cache.settings import DIALOG_KNOBS, knob_values, starting_mode
-from chatapp.engine.events import SessionInfo, TranscriptLoaded
+from cache.settings import DIALOG_KNOBS, knob_values
 from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
-from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from . import start_probe
-from .bridge import EngineBridge
-from .coalesce import Coalescer
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
 from .dialogs import ModelDialog
 from .engine_link import INPUT_TITLE, EngineLinkApp
 from .format import MODES, next_mode
-from .markers import EvictionWatch
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
-from .widgets import AssistantMessage, ChatInput, ChatView, Entry, SidePanel, StatusBar, UserMessage
+from .widgets import ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
 
 class ChatApp(EngineLinkApp):
@@ -72,46 +66,7 @@ class ChatApp(EngineLinkApp):
 
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
                  resume: int | str | None = None, save: bool = True) -> None:
-        super().__init__()
-        self.config = config
-        self.blas = blas
-        self.verbose = verbose
-        self.freeze_stats = freeze_stats
-        self.bridge = EngineBridge(config, self.post_message, save=save, resume=resume)
-        self.conversation_id: int | None = None  # the saved conversation on screen (opened, resumed, or a TurnDone's)
-        self.conversation_title = ""
-        self.resume_line = ""  # how the last opened conversation was resumed
-        self.store_notes: list[tuple[str, str]] = []  # every note / error of the conversation store
-        self.sessions_screen: SessionsScreen | None = None
-        self._pending_transcript: TranscriptLoaded | None = None  # --resume: shown once loaded
-        self.loaded = False
-        self.load_error = ""
-        self.failures: list[tuple[str, str]] = []  # (message, traceback) of every Failed event
-        self.model_id = config.model.id
-        self.info: SessionInfo | None = None
-        self.mode = starting_mode(config.cache.mode)
-        self.requested_mode = config.cache.mode
-        self.entries: list[Entry] = []
-        self.last_stats: TurnStats | None = None
-        self.live_stats: TurnStats | None = None
-        self.cache_view: CacheView | None = None
-        self.history: list[TurnStats] = []  # every finished turn of this app session, all modes
-        self.conv_steps: list[StepStat] = []  # decode steps of this conversation
-        self.memory: MemoryGauges | None = None  # MLX's allocator gauges, latest reading
-        self.conv_memory: list[MemoryGauges] = []  # every reading of this conversation's turns
-        self.compare_rows: list[Any] = []
-        self.compare_screen: CompareScreen | None = None
-        self.loading_screen: LoadingScreen | None = None
-        self.editing = False
-        self.phase = "loading"
-        self._reply: AssistantMessage | None = None
-        self.queued: list[UserMessage] = []  # messages sent during a reply, waiting their turn
-        self._pending_text = ""
-        self._stream_lock = None
-        self._seen_notices: set[str] = set()
-        self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
-        self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
-        self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
+        super().__init__(config, blas=blas, verbose=verbose, freeze_stats=freeze_stats, resume=resume, save=save)
         # copy, export, themes, system prompt, model switch: a part with its own state (ui/comforts.py)
         self.comforts = Comforts(self, self.bridge.data_dir)
 

@@ -1,13 +1,14 @@
 """The half of the chat app that follows the engine: its messages, the streaming reply, the
 transcript mirror, the status bar and the side panel.
 
-:class:`EngineLinkApp` is the base of :class:`chatapp.ui.app.ChatApp` (which adds the layout,
-the input, the actions and the command palette, and sets the state read here in its
-``__init__``). Each kind of engine event arrives as its own message (:mod:`chatapp.ui.messages`,
-all subclasses of ``EngineMessage``); one ``@on(EngineMessage)`` dispatcher records its ``kind``
-in ``event_log`` and runs the kind's handler, a method marked ``@handles(<event type>)``
-(``HANDLERS``). The comforts' results go on to their part (``self.comforts``, ui/comforts.py).
-The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
+:class:`EngineLinkApp` is the base of :class:`chatapp.ui.app.ChatApp` (which adds the layout, the
+input, the actions, the command palette and the comforts' part); the state read here is created by
+its own ``__init__``, not left for the subclass to provide. Each kind of engine event arrives as
+its own message (:mod:`chatapp.ui.messages`, all subclasses of ``EngineMessage``); one
+``@on(EngineMessage)`` dispatcher records its ``kind`` in ``event_log`` and runs the kind's
+handler, a method marked ``@handles(<event type>)`` (``HANDLERS``). The comforts' results go on to
+their part (``self.comforts``, ui/comforts.py). The one busy state is the bridge's: the requests
+in flight (``bridge.in_flight``, ``bridge.busy``).
 
 The UI keeps a mirror of the session's conversation (``entries``) so that message indexes
 reported by the engine (``CacheView.first_visible_message``) map to transcript widgets.
@@ -18,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+from collections import deque
 from typing import Any, Callable
 
 from textual import on
 from textual.app import App
 
-from cache.settings import CAPPED
+from cache.settings import CAPPED, starting_mode
 from chatapp.engine.events import (
     ChatNotes,
     CompareResult,
@@ -44,13 +46,15 @@ from chatapp.engine.events import (
     TurnDone,
 )
 from chatapp.engine.requests import Compare, EditLast, Regenerate, Request, Send
-from chatapp.engine.stats import CacheView, TurnStats
+from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 
 from . import start_probe
+from .bridge import EngineBridge
+from .coalesce import Coalescer
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
-from .markers import CacheNotice, apply_markers
+from .markers import CacheNotice, EvictionWatch, apply_markers
 from .messages import EngineMessage
-from .screens import LoadingScreen
+from .screens import CompareScreen, LoadingScreen, SessionsScreen
 from .widgets import (
     AssistantMessage,
     ChatInput,
@@ -85,6 +89,52 @@ def handles(*kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 class EngineLinkApp(App[int]):
+    """Owns what the engine's events change (created here, not by the subclass): the bridge, the
+    session as last described, the transcript mirror, the streaming reply and its statistics."""
+
+    def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
+                 resume: int | str | None = None, save: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.blas = blas
+        self.verbose = verbose
+        self.freeze_stats = freeze_stats
+        self.bridge = EngineBridge(config, self.post_message, save=save, resume=resume)
+        self.conversation_id: int | None = None  # the saved conversation on screen (opened, resumed, or a TurnDone's)
+        self.conversation_title = ""
+        self.resume_line = ""  # how the last opened conversation was resumed
+        self.store_notes: list[tuple[str, str]] = []  # every note / error of the conversation store
+        self.sessions_screen: SessionsScreen | None = None
+        self._pending_transcript: TranscriptLoaded | None = None  # --resume: shown once loaded
+        self.loaded = False
+        self.load_error = ""
+        self.failures: list[tuple[str, str]] = []  # (message, traceback) of every Failed event
+        self.model_id = config.model.id
+        self.info: SessionInfo | None = None
+        self.mode = starting_mode(config.cache.mode)
+        self.requested_mode = config.cache.mode
+        self.entries: list[Entry] = []
+        self.last_stats: TurnStats | None = None
+        self.live_stats: TurnStats | None = None
+        self.cache_view: CacheView | None = None
+        self.history: list[TurnStats] = []  # every finished turn of this app session, all modes
+        self.conv_steps: list[StepStat] = []  # decode steps of this conversation
+        self.memory: MemoryGauges | None = None  # MLX's allocator gauges, latest reading
+        self.conv_memory: list[MemoryGauges] = []  # every reading of this conversation's turns
+        self.compare_rows: list[Any] = []
+        self.compare_screen: CompareScreen | None = None
+        self.loading_screen: LoadingScreen | None = None
+        self.editing = False
+        self.phase = "loading"
+        self._reply: AssistantMessage | None = None
+        self.queued: list[UserMessage] = []  # messages sent during a reply, waiting their turn
+        self._pending_text = ""
+        self._stream_lock = None
+        self._seen_notices: set[str] = set()
+        self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
+        self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
+        self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
+
     # ---- engine messages: one dispatcher, one handler per kind -----------------------------------------
     @on(EngineMessage)
     async def _on_engine(self, message: EngineMessage) -> None:
