@@ -187,7 +187,12 @@ def test_bench_cache_flags_default_to_the_config():
     knobs = cache_knobs(p.parse_args(["--window", "64"]))
     base = CacheConfig()
     assert knobs == dict(window=64, sinks=base.sinks, max_kv_tokens=2048, evict_chunk=base.evict_chunk,
-                         quant_start=base.quant_start, kv_bits=base.kv_bits, kv_group_size=base.kv_group_size)
+                         quant_start=base.quant_start, kv_bits=base.kv_bits, kv_group_size=base.kv_group_size,
+                         chunk_size=base.chunk_size)
+    # every number knob of CacheSettings has its flag (cache.settings.KNOBS, declared once)
+    from cache.settings import SETTINGS_KNOBS
+
+    assert set(knobs) == {k.name for k in SETTINGS_KNOBS if k.type is int}
 
 
 # ---- with a model ------------------------------------------------------------------------------------
