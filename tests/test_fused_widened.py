@@ -57,3 +57,19 @@ def test_four_and_eight_bit_weights_are_read_as_stored():
     fast = _model(bits=4)
     plan = apply_fast_path(fast, backend="cpu", warm_up=False)
     assert is_fused(fast) and "widened" not in plan.fused_decode
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_eight_bit_rows_on_int8_activations_stay_near_exact(bits):
+    """numerics fast: 8-bit layers (and widened 5-bit ones) run four rows at a time on int8
+    activations (int8head.q8_rows4_i8) rather than one by one on floats: the logits move by int8
+    rounding only, and differ from the exact route's (the int8 route is taken)."""
+    exact, fast = _model(bits=bits, tied=False, seed=7), _model(bits=bits, tied=False, seed=7)
+    apply_fast_path(exact, backend="cpu", warm_up=False, numerics="exact")
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    fast._chatapp_fused.set_fast(True, last_exact=False, head="exact")
+    prompt = [int(t) for t in mx.random.randint(0, 256, (12,), key=mx.random.key(3))]
+    _, l_exact, _ = _decode(exact, prompt, 4)
+    _, l_fast, _ = _decode(fast, prompt, 4)
+    assert any(not np.array_equal(a, b) for a, b in zip(l_fast, l_exact))
+    assert all(_close(a, b, tol=3e-2) for a, b in zip(l_fast, l_exact))

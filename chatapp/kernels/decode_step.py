@@ -41,6 +41,7 @@ from .affine import bias_at
 from .group_attention import SLOT, attend_split, merge_splits, n_splits
 from .half import kv_buffer, store_f32
 from .int8dot import ACT_BLOCK, q4_rows4_i8, q4_rows4_i16, quantise_lanes, quantise_lanes_wide
+from .int8head import q8_rows4_i8, quantise_rows8
 from .llvm import atomic_add
 from .microkernels import A_ROWS
 from .qk_int import INT_SCORES
@@ -123,10 +124,13 @@ def phase_barrier(ctl, phase, n):  # pragma: no cover - jitted
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block, wide):  # pragma: no cover
+def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block, wide, xq8,
+             want8):  # pragma: no cover
     """xn = rms_norm(src) * norm_w (norm_w empty: xn = src), its even/odd halves and group sums;
     when ``fast``, also its int8 blocks of ``block`` xq = (even, odd, lane scales, lane sums), on
-    16 bits when ``wide`` (quantise_lanes_wide: each of even and odd K long)."""
+    16 bits when ``wide`` (quantise_lanes_wide: each of even and odd K long), and when ``want8``
+    (an 8-bit weight reads it) xq8 = (int8 in natural order, lane scales, lane sums) for
+    int8head's 8-bit rows (quantise_rows8)."""
     K = src.shape[0]
     if norm_w.shape[0]:
         ss = np.float32(0.0)
@@ -151,6 +155,8 @@ def _prepare(src, norm_w, eps, group_size, xn, xe, xo, xsum, fast, xq, block, wi
         quantise_lanes_wide(xn[:K], block, xq[0][:K], xq[1][:K], xq[2][:K // 8], xq[3][:K // 8])
     elif fast:
         quantise_lanes(xn, block, xq[0][:half], xq[1][:half], xq[2][:K // 8], xq[3][:K // 8])
+    if fast and not wide and want8:
+        quantise_rows8(xn[:K], block, xq8[0][:K], xq8[1][:K // 4], xq8[2][:K // 4])
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
@@ -168,11 +174,14 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq,
-             wide):  # pragma: no cover - jitted
+             wide, xq8):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
     4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``; 16-bit ones
-    when also ``wide``), the rest one by one. xq = (even int8, odd int8, lane scales, lane sums)
-    of the input (used when fast; those rows include their biases)."""
+    when also ``wide``), 8-bit rows four at a time on int8 activations (int8head.q8_rows4_i8,
+    xq8) when ``fast`` and not ``wide``, the rest one by one on float32. xq = (even int8, odd int8,
+    lane scales, lane sums) of the input (used when fast; those rows include their biases). Until
+    stop 45 every 8-bit row ran one by one on floats: a Q4_K_M file's layers (Q5_0 widened to
+    bytes, Q6_K, Q8_0) decoded SmolLM2 at 18 tok/s where its Q4_1 file runs ~100."""
     packed, scales, biases = w
     r = r_start
     tmp = np.empty(ROWS, np.float32)
@@ -193,6 +202,15 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
                     dst[r - r_start + i] += d
                 else:
                     dst[r - r_start + i] = d
+            r += ROWS
+    elif bits == 8 and fast and not wide:
+        while r + ROWS <= r_end:
+            q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp)
+            for i in range(ROWS):
+                if add:
+                    dst[r - r_start + i] += tmp[i]
+                else:
+                    dst[r - r_start + i] = tmp[i]
             r += ROWS
     while r < r_end:
         d = _row(w, bits, group_size, r, xn, xe, xo, xsum)
@@ -284,6 +302,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # K bytes each: room for the two planes of 16-bit activations (FAST_DOWN_WIDE)
     xq = (np.empty(kmax, np.int8), np.empty(kmax, np.int8), np.empty(kmax // 8, np.float32),
           np.empty(kmax // 8, np.float32))
+    xq8 = (np.empty(kmax, np.int8), np.empty(kmax // 4, np.float32), np.empty(kmax // 4, np.float32))
     # fast: a bit per product group on int8 activations (FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN)
     f_qkv, f_o, f_gu, f_down = (fast & 1) != 0, (fast & 2) != 0, (fast & 4) != 0, (fast & 8) != 0
     down_wide = (fast & FAST_DOWN_WIDE) != 0 and not f_down
@@ -295,7 +314,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 1. q, k, v rows (one phase over their rows together)
     _prepare(x, attn_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
-             f_qkv, xq, blk, narrow)
+             f_qkv, xq, blk, narrow, xq8, bits[0] == 8 or bits[1] == 8 or bits[2] == 8)
     ch1 = rows_per_chunk(nqkv, chunks)
     n1 = (nqkv + ch1 - 1) // ch1
     while True:
@@ -309,7 +328,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             s0, s1 = max(a, lo_), min(b, hi_)
             if s0 < s1:
                 _project(w, wb, group_size, s0 - off, s1 - off, xn, xe, xo, xsum, dst[s0 - off:s1 - off],
-                         False, f_qkv, xq, narrow)
+                         False, f_qkv, xq, narrow, xq8)
                 if qkv_bias.shape[0]:
                     for r in range(s0, s1):
                         dst[r - off] += qkv_bias[r]
@@ -400,7 +419,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # 3. x += o_proj(attn)
     ka = n_heads * D
     _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk,
-             narrow)
+             narrow, xq8, bits[3] == 8)
     ch3 = rows_per_chunk(dim, chunks)
     n3 = (dim + ch3 - 1) // ch3
     while True:
@@ -408,13 +427,13 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch3, min(dim, (c + 1) * ch3)
-        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq, narrow)
+        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq, narrow, xq8)
         phase_done(ctl, 2)
     phase_barrier(ctl, 2, n3)
 
     # 4. act = silu(gate(m)) * up(m)
     _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
-             f_gu, xq, blk, narrow)
+             f_gu, xq, blk, narrow, xq8, bits[4] == 8 or bits[5] == 8)
     ch4 = rows_per_chunk(hidden, chunks)
     n4 = (hidden + ch4 - 1) // ch4
     while True:
@@ -422,8 +441,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch4, min(hidden, (c + 1) * ch4)
-        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq, narrow)
-        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq, narrow)
+        _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq, narrow, xq8)
+        _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq, narrow, xq8)
         for r in range(a, b):
             act[r] = silu_mul(gbuf[r - a], ubuf[r - a])
         phase_done(ctl, 3)
@@ -431,7 +450,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
 
     # 5. x += down(act)
     _prepare(act, no_norm, eps, group_size, xn[:hidden], xe[:hidden // 2], xo[:hidden // 2],
-             xsum[:hidden // group_size], f_down, xq, blk, down_wide)
+             xsum[:hidden // group_size], f_down, xq, blk, down_wide, xq8, bits[6] == 8)
     ch5 = rows_per_chunk(dim, chunks)
     n5 = (dim + ch5 - 1) // ch5
     while True:
@@ -439,7 +458,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch5, min(dim, (c + 1) * ch5)
-        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq, down_wide)
+        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq, down_wide, xq8)
         phase_done(ctl, 4)
     phase_barrier(ctl, 4, n5)
 

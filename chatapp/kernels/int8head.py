@@ -242,6 +242,19 @@ def _rows4(packed, bits, r, xq, scales, biases, group_size, tmp):  # pragma: no 
         _k128(packed, r, xq[0], xq[2], xq[3], scales, biases, tmp)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp):  # pragma: no cover - jitted
+    """tmp = rows r .. r + 3 of an 8-bit weight times the input quantised by quantise_rows8, xq8 =
+    (int8 [K], lane scales [K/4], lane sums [K/4]), biases included: the decode step's 8-bit
+    layers (a Q8_0 or Q6_K matrix, or a widened 5-bit one) on numerics fast."""
+    if group_size == 32:
+        _k32(packed, r, xq8[0], xq8[1], xq8[2], scales, biases, tmp)
+    elif group_size == 64:
+        _k64(packed, r, xq8[0], xq8[1], xq8[2], scales, biases, tmp)
+    else:
+        _k128(packed, r, xq8[0], xq8[1], xq8[2], scales, biases, tmp)
+
+
 @njit(fastmath=True, nogil=True, cache=True)
 def _head_rows(ctl, chunk, packed, scales, biases, bits, group_size, xq, out):  # pragma: no cover - jitted
     """out[r] = row r times the quantised input, four rows a call; chunks are multiples of four
