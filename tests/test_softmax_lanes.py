@@ -64,3 +64,24 @@ def test_exp_far_below_is_zero_not_a_denormal_or_nan():
     assert np.isfinite(p).all() and (p >= 0).all()
     assert (p[:3] < 1.7e-38).all() and ((p[:3] == 0) | (p[:3] >= np.finfo(np.float32).tiny)).all()
     np.testing.assert_allclose(p[3:8], np.exp(s[3:8].astype(np.float64)), rtol=2e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(N=st.integers(1, 90), L=st.integers(1, 16), G=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_attention_mass_rows_equals_the_causal_softmax_summed(N, L, G, seed):
+    """Each row a query among the last L of N tokens (causal among themselves), softmax over what
+    it sees, summed over the rows into the mass per key: as numpy computes it."""
+    from chatapp.kernels.softmax_lanes import attention_mass_rows
+
+    L = min(L, N)
+    rng = np.random.default_rng(seed)
+    s = rng.normal(0, 4, (G * L, N)).astype(np.float32)
+    want = np.zeros(N)
+    for r in range(G * L):
+        seen = N - L + r % L + 1
+        p = np.exp(s[r, :seen].astype(np.float64) - s[r, :seen].max())
+        want[:seen] += p / p.sum()
+    mass = np.full(N, 0.5, np.float32)
+    attention_mass_rows(s.copy(), N, L, mass)
+    np.testing.assert_allclose(mass - 0.5, want, rtol=1e-5, atol=1e-6)
+    assert abs((mass - 0.5).sum() - G * L) < 1e-3 * G * L

@@ -11,12 +11,13 @@ the same Cephes polynomial as attention.fast_exp, on vectors.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
-from .attention import _C1, _C2, _LOG2E
-from .microkernels import _F32_1D, _counted_loop, _int_args, _vload_f32
+from .attention import _C1, _C2, _LOG2E, fast_exp
+from .microkernels import _F32_1D, _counted_loop, _int_args, _vload_f32, max16
 from .simd import I64, V16F, declare, declare_fma
 
 _I32 = ir.IntType(32)
@@ -138,3 +139,58 @@ def lanes_scale(typingctx, o, n, M, f):
     i64 = types.int64
     return types.void(o, i64, i64, f), codegen
 
+
+
+@intrinsic
+def row_exp_sum(typingctx, x, off, n16, top):
+    """x[off + i] = exp(x[off + i] - top) for i < n16 (a multiple of 16); returns their sum."""
+    if not (x == _F32_1D and all(isinstance(t, types.Integer) for t in (off, n16)) and isinstance(top, types.Float)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xa = context.make_array(signature.args[0])(context, builder, args[0])
+        off_, n16_ = _int_args(context, builder, signature, args, (1, 2))
+        top_ = context.cast(builder, args[3], signature.args[3], types.float32)
+        tv = builder.insert_element(ir.Constant(V16F, None), top_, ir.Constant(_I32, 0))
+        tv = builder.shuffle_vector(tv, tv, ir.Constant(_V16I, [0] * 16))
+
+        def step(c, accs):
+            at = builder.add(off_, builder.mul(c, ir.Constant(I64, 16)))
+            p = vexp16(builder, builder.fsub(_vload_f32(builder, xa.data, at, "f32"), tv))
+            _store(builder, xa.data, at, p)
+            return [builder.fadd(accs[0], p)]
+        (acc,) = _counted_loop(builder, builder.sdiv(n16_, ir.Constant(I64, 16)), [_c(0.0)], step)
+        total = acc
+        w = 8
+        while w:
+            idx = ir.Constant(_V16I, [(i + w) % 16 for i in range(16)])
+            total = builder.fadd(total, builder.shuffle_vector(total, total, idx))
+            w //= 2
+        return builder.extract_element(total, ir.Constant(_I32, 0))
+
+    return types.float32(x, types.int64, types.int64, types.float32), codegen
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def attention_mass_rows(s, N, L, mass):  # pragma: no cover - jitted
+    """mass[n] += sum over the rows r of s [R, N] (R = G x L: G query heads x L queries, the
+    last L of N tokens, causal among themselves) of softmax(row r)[n]: what each key gets of the
+    queries' attention (sparsity.attention_mass). Row r is query r % L, seeing keys up to
+    N - L + r % L. The rows are overwritten (by their exp)."""
+    R = s.shape[0]
+    flat = s.reshape(-1)
+    for r in range(R):
+        seen = N - L + r % L + 1
+        base = r * N
+        n16 = seen // 16 * 16
+        top = max16(flat[base:], n16) if n16 else flat[base]
+        for j in range(n16, seen):
+            top = max(top, flat[base + j])
+        total = row_exp_sum(flat, base, n16, top)
+        for j in range(n16, seen):
+            p = fast_exp(flat[base + j] - top)
+            flat[base + j] = p
+            total += p
+        inv = np.float32(1.0) / total
+        for j in range(seen):
+            mass[j] += flat[base + j] * inv
