@@ -46,7 +46,7 @@ from .llvm import atomic_add
 from .microkernels import A_ROWS
 from .qk_int import INT_SCORES
 from .quant_split import attend_quant_split
-from .rows4 import ROWS, q4_rows4_dot
+from .rows4 import ROWS, q4_rows4_dot, q8_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
 PHASES = 5
@@ -177,9 +177,10 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
              wide, xq8):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
     4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``; 16-bit ones
-    when also ``wide``), 8-bit rows four at a time on int8 activations (int8head.q8_rows4_i8,
-    xq8) when ``fast`` and not ``wide``, the rest one by one on float32. xq = (even int8, odd int8,
-    lane scales, lane sums) of the input (used when fast; those rows include their biases). Until
+    when also ``wide``), 8-bit rows four at a time too: on int8 activations (int8head.q8_rows4_i8,
+    xq8) when ``fast`` and not ``wide``, else on float32 (rows4.q8_rows4_dot), the rest one by
+    one. xq = (even int8, odd int8, lane scales, lane sums) of the input (used when fast; those
+    rows include their biases). Until
     stop 45 every 8-bit row ran one by one on floats: a Q4_K_M file's layers (Q5_0 widened to
     bytes, Q6_K, Q8_0) decoded SmolLM2 at 18 tok/s where its Q4_1 file runs ~100."""
     packed, scales, biases = w
@@ -203,9 +204,15 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
                 else:
                     dst[r - r_start + i] = d
             r += ROWS
-    elif bits == 8 and fast and not wide:
+    elif bits == 8:
         while r + ROWS <= r_end:
-            q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp)
+            if fast and not wide:
+                q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp)
+            else:  # float32 activations: q8_row_dot's sums, four rows sharing each load
+                q8_rows4_dot(packed, r, xn, scales, group_size, tmp)
+                for i in range(ROWS):
+                    for g in range(scales.shape[1]):
+                        tmp[i] += bias_at(scales, biases, 8, r + i, g) * xsum[g]
             for i in range(ROWS):
                 if add:
                     dst[r - r_start + i] += tmp[i]
