@@ -229,20 +229,6 @@ _k32, _k64, _k128 = _Q8_ROWS[32], _Q8_ROWS[64], _Q8_ROWS[128]
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _rows4(packed, bits, r, xq, scales, biases, group_size, tmp):  # pragma: no cover - jitted
-    """tmp = rows r .. r + 3 of the weight times the quantised input (xq: quantise_rows8's three
-    arrays for 8 bits, quantise_lanes' four for 4 bits)."""
-    if bits == 4:
-        q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
-    elif group_size == 32:
-        _k32(packed, r, xq[0], xq[2], xq[3], scales, biases, tmp)
-    elif group_size == 64:
-        _k64(packed, r, xq[0], xq[2], xq[3], scales, biases, tmp)
-    else:
-        _k128(packed, r, xq[0], xq[2], xq[3], scales, biases, tmp)
-
-
-@njit(nogil=True, cache=True, inline="always")
 def q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp):  # pragma: no cover - jitted
     """tmp = rows r .. r + 3 of an 8-bit weight times the input quantised by quantise_rows8, xq8 =
     (int8 [K], lane scales [K/4], lane sums [K/4]), biases included: the decode step's 8-bit
@@ -253,6 +239,16 @@ def q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp):  # pragma: no 
         _k64(packed, r, xq8[0], xq8[1], xq8[2], scales, biases, tmp)
     else:
         _k128(packed, r, xq8[0], xq8[1], xq8[2], scales, biases, tmp)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _rows4(packed, bits, r, xq, scales, biases, group_size, tmp):  # pragma: no cover - jitted
+    """tmp = rows r .. r + 3 of the weight times the quantised input (xq: quantise_rows8's three
+    arrays in slots 0, 2 and 3 for 8 bits, quantise_lanes' four for 4 bits)."""
+    if bits == 4:
+        q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
+    else:
+        q8_rows4_i8(packed, r, (xq[0], xq[2], xq[3]), scales, biases, group_size, tmp)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
