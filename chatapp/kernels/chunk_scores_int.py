@@ -30,7 +30,7 @@ from .int8dot import ISA, V16I, V64B, dot_i32_wide
 from .llvm import F32
 from .microkernels import _F32_1D, _U8_1D, _counted_loop, _int_args, _vload_f32
 from .qk_int import INT_SCORES
-from .simd import I64, V16F, declare_fma, splat
+from .simd import I64, V16F, declare_fma, hreduce, splat
 
 _I8_1D = types.Array(types.int8, 1, "C")
 _I32 = ir.IntType(32)
@@ -104,16 +104,6 @@ def _make_scores(isa: str):
 scores4x32 = _make_scores(ISA if INT_SCORES else "generic")
 
 
-def _reduce(builder: ir.IRBuilder, fn, acc):
-    """fn(a, b) folded across the 16 lanes of acc (a shuffle tree): the result in lane 0."""
-    w = 8
-    while w:
-        idx = ir.Constant(ir.VectorType(_I32, 16), [(i + w) % 16 for i in range(16)])
-        acc = fn(acc, builder.shuffle_vector(acc, acc, idx))
-        w //= 2
-    return builder.extract_element(acc, ir.Constant(_I32, 0))
-
-
 @intrinsic
 def quantise_key_row(typingctx, kb, off, D, u, ksc, kbi, i):
     """Row i of D floats (a multiple of 16) at kb[off:] as unsigned bytes at u[off:], affine:
@@ -145,7 +135,7 @@ def quantise_key_row(typingctx, kb, off, D, u, ksc, kbi, i):
             return [vmin(accs[0], v), vmax(accs[1], v)]
 
         lo_v, hi_v = _counted_loop(builder, n16, [first, first], span)
-        lo, hi = _reduce(builder, vmin, lo_v), _reduce(builder, vmax, hi_v)
+        lo, hi = hreduce(builder, vmin, lo_v), hreduce(builder, vmax, hi_v)
         span_ = builder.fsub(hi, lo)
         sc = builder.fmul(span_, ir.Constant(F32, 1.0 / 255.0))
         pos = builder.fcmp_ordered(">", span_, ir.Constant(F32, 0.0))

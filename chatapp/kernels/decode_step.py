@@ -176,49 +176,38 @@ def _row(w, bits, group_size, r, xn, xe, xo, xsum):  # pragma: no cover - jitted
 def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fast, xq,
              wide, xq8):  # pragma: no cover - jitted
     """dst[i] (= or +=) row r_start + i of w times the prepared input, rows [r_start, r_end):
-    4-bit rows four at a time (rows4.py; int8 activations, int8dot.py, when ``fast``; 16-bit ones
-    when also ``wide``), 8-bit rows four at a time too: on int8 activations (int8head.q8_rows4_i8,
-    xq8) when ``fast`` and not ``wide``, else on float32 (rows4.q8_rows4_dot), the rest one by
-    one. xq = (even int8, odd int8, lane scales, lane sums) of the input (used when fast; those
-    rows include their biases). Until
-    stop 45 every 8-bit row ran one by one on floats: a Q4_K_M file's layers (Q5_0 widened to
-    bytes, Q6_K, Q8_0) decoded SmolLM2 at 18 tok/s where its Q4_1 file runs ~100."""
+    4- and 8-bit rows four at a time, the rest one by one. 4-bit: rows4.py on float32, int8dot.py
+    on int8 activations when ``fast`` (16-bit ones when also ``wide``); 8-bit: rows4.q8_rows4_dot
+    on float32, int8head.q8_rows4_i8 on int8 activations (xq8) when ``fast`` and not ``wide``.
+    xq = (even int8, odd int8, lane scales, lane sums) of the input. The integer kernels include
+    the biases; on float32 they are added here. Until stop 45 every 8-bit row ran one by one on
+    floats: a Q4_K_M file's layers (Q5_0 widened to bytes, Q6_K, Q8_0) decoded SmolLM2 at 18
+    tok/s where its Q4_1 file runs ~100."""
     packed, scales, biases = w
     r = r_start
     tmp = np.empty(ROWS, np.float32)
-    if bits == 4:
-        while r + ROWS <= r_end:
-            if fast and wide:
-                q4_rows4_i16(packed, r, xq, scales, biases, group_size, tmp)
-            elif fast:
-                q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
+    integer = fast and (bits == 4 or not wide)  # an 8-bit row has no 16-bit kernel: float32
+    while (bits == 4 or bits == 8) and r + ROWS <= r_end:
+        if bits == 4 and fast and wide:
+            q4_rows4_i16(packed, r, xq, scales, biases, group_size, tmp)
+        elif bits == 4 and fast:
+            q4_rows4_i8(packed, r, xq, scales, biases, group_size, tmp)
+        elif bits == 4:
+            q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
+        elif integer:
+            q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp)
+        else:
+            q8_rows4_dot(packed, r, xn, scales, group_size, tmp)
+        for i in range(ROWS):
+            d = tmp[i]
+            if not integer:
+                for g in range(scales.shape[1]):
+                    d += bias_at(scales, biases, bits, r + i, g) * xsum[g]
+            if add:
+                dst[r - r_start + i] += d
             else:
-                q4_rows4_dot(packed, r, xe, xo, scales, group_size, tmp)
-            for i in range(ROWS):
-                d = tmp[i]
-                if not fast:
-                    for g in range(scales.shape[1]):
-                        d += bias_at(scales, biases, 4, r + i, g) * xsum[g]
-                if add:
-                    dst[r - r_start + i] += d
-                else:
-                    dst[r - r_start + i] = d
-            r += ROWS
-    elif bits == 8:
-        while r + ROWS <= r_end:
-            if fast and not wide:
-                q8_rows4_i8(packed, r, xq8, scales, biases, group_size, tmp)
-            else:  # float32 activations: q8_row_dot's sums, four rows sharing each load
-                q8_rows4_dot(packed, r, xn, scales, group_size, tmp)
-                for i in range(ROWS):
-                    for g in range(scales.shape[1]):
-                        tmp[i] += bias_at(scales, biases, 8, r + i, g) * xsum[g]
-            for i in range(ROWS):
-                if add:
-                    dst[r - r_start + i] += tmp[i]
-                else:
-                    dst[r - r_start + i] = tmp[i]
-            r += ROWS
+                dst[r - r_start + i] = d
+        r += ROWS
     while r < r_end:
         d = _row(w, bits, group_size, r, xn, xe, xo, xsum)
         if add:

@@ -21,7 +21,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .simd import I64, V16F, declare, declare_fma, splat
+from .simd import I64, V16F, declare, declare_fma, hreduce, splat
 
 A_ROWS = 4  # broadcast rows per outer-product call
 _I16 = ir.IntType(16)
@@ -317,11 +317,6 @@ def max16(typingctx, x, n16):
             return [builder.call(vmax, [accs[0], v])]
 
         (acc,) = _counted_loop(builder, builder.sdiv(n16_, ir.Constant(I64, 16)), [first], step)
-        w = 8
-        while w:
-            idx = ir.Constant(ir.VectorType(ir.IntType(32), 16), [(i + w) % 16 for i in range(16)])
-            acc = builder.call(vmax, [acc, builder.shuffle_vector(acc, acc, idx)])
-            w //= 2
-        return builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
+        return hreduce(builder, lambda a, b: builder.call(vmax, [a, b]), acc)
 
     return types.float32(x, n16), codegen

@@ -48,6 +48,17 @@ def vload(builder, base_ptr, index, vtype):
     return builder.load(builder.bitcast(p, vtype.as_pointer()), align=1)
 
 
+def hreduce(builder: ir.IRBuilder, fn, acc):
+    """fn(a, b) folded across the 16 lanes of ``acc`` (a <16 x ...>) by a shuffle tree: lane 0's
+    value (a vector max or min: ``fn`` builds the lane-wise operation)."""
+    w = 8
+    while w:
+        idx = ir.Constant(ir.VectorType(ir.IntType(32), 16), [(i + w) % 16 for i in range(16)])
+        acc = fn(acc, builder.shuffle_vector(acc, acc, idx))
+        w //= 2
+    return builder.extract_element(acc, ir.Constant(ir.IntType(32), 0))
+
+
 def hsum(builder, v):
     """Sum of a <16 x float> by halving shuffles."""
     n = v.type.count

@@ -18,7 +18,7 @@ from numba.extending import intrinsic
 
 from .attention import _C1, _C2, _LOG2E, fast_exp
 from .microkernels import _F32_1D, _counted_loop, _int_args, _vload_f32, max16
-from .simd import I64, V16F, declare, declare_fma
+from .simd import I64, V16F, declare, declare_fma, hsum, splat
 
 _I32 = ir.IntType(32)
 _V16I = ir.VectorType(_I32, 16)
@@ -150,9 +150,7 @@ def row_exp_sum(typingctx, x, off, n16, top):
     def codegen(context, builder, signature, args):
         xa = context.make_array(signature.args[0])(context, builder, args[0])
         off_, n16_ = _int_args(context, builder, signature, args, (1, 2))
-        top_ = context.cast(builder, args[3], signature.args[3], types.float32)
-        tv = builder.insert_element(ir.Constant(V16F, None), top_, ir.Constant(_I32, 0))
-        tv = builder.shuffle_vector(tv, tv, ir.Constant(_V16I, [0] * 16))
+        tv = splat(builder, context.cast(builder, args[3], signature.args[3], types.float32), V16F)
 
         def step(c, accs):
             at = builder.add(off_, builder.mul(c, ir.Constant(I64, 16)))
@@ -160,13 +158,7 @@ def row_exp_sum(typingctx, x, off, n16, top):
             _store(builder, xa.data, at, p)
             return [builder.fadd(accs[0], p)]
         (acc,) = _counted_loop(builder, builder.sdiv(n16_, ir.Constant(I64, 16)), [_c(0.0)], step)
-        total = acc
-        w = 8
-        while w:
-            idx = ir.Constant(_V16I, [(i + w) % 16 for i in range(16)])
-            total = builder.fadd(total, builder.shuffle_vector(total, total, idx))
-            w //= 2
-        return builder.extract_element(total, ir.Constant(_I32, 0))
+        return hsum(builder, acc)
 
     return types.float32(x, types.int64, types.int64, types.float32), codegen
 
