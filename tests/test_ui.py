@@ -142,13 +142,32 @@ def replies(app) -> list[AssistantMessage]:
 def test_every_engine_event_has_one_handler_behind_the_one_dispatcher():
     """Each event kind that becomes a message (ui/messages.MESSAGES) is shown by a handler of the
     app's one ``@on(EngineMessage)`` dispatcher, and that dispatcher is the only engine ``@on``."""
-    from chatapp.ui.engine_link import HANDLERS, EngineLinkApp
+    from chatapp.ui.engine_link import HANDLERS, EngineClient
     from chatapp.ui.messages import MESSAGES, EngineMessage
 
     assert set(HANDLERS) == set(MESSAGES)
     handled = {kind for cls in ChatApp.__mro__ for kind in cls.__dict__.get("_decorated_handlers", {})}
     assert {k for k in handled if issubclass(k, EngineMessage)} == {EngineMessage}
-    assert all(getattr(EngineLinkApp, m.__name__) is m for m in HANDLERS.values())
+    assert all(getattr(EngineClient, m.__name__) is m for m in HANDLERS.values())
+
+
+def test_the_engine_client_is_a_part_of_the_app_not_a_base_class():
+    """ChatApp holds its engine client (``app.engine``) rather than inheriting it, and the client
+    reaches the app only through its public face (EngineHost): no private name of the app."""
+    import inspect
+    import re
+
+    from chatapp.ui import engine_link
+    from chatapp.ui.engine_link import EngineHost
+
+    assert not any(cls.__module__ == engine_link.__name__ for cls in ChatApp.__mro__)
+    source = inspect.getsource(engine_link)
+    assert not re.search(r"\bhost\._", source), "the engine client reads a private name of the app"
+    host_names = {n for n in dir(EngineHost) if not n.startswith("_")} | set(EngineHost.__annotations__)
+    used = set(re.findall(r"\bself\.host\.(\w+)", source))
+    assert used <= host_names, used - host_names
+    assert not re.search(r"\bengine\._", inspect.getsource(ChatApp)), "the app reads a private name of the client"
+    assert "self.engine = EngineClient(self" in inspect.getsource(ChatApp.__init__)
 
 
 @async_test

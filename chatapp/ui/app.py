@@ -3,9 +3,11 @@
 Threading: every model operation runs on the engine worker's thread
 (:class:`chatapp.engine.worker.EngineWorker`, owned by :class:`chatapp.ui.bridge.EngineBridge`),
 which takes the typed requests of :mod:`chatapp.engine.requests`. Its events arrive here, in
-order, on the UI thread, one Textual message per kind (:mod:`chatapp.ui.messages`), handled by
-the base class :class:`~chatapp.ui.engine_link.EngineLinkApp` (with the transcript mirror and
-the status bar); this module adds the layout, the input, the actions and the command palette.
+order, on the UI thread, one Textual message per kind (:mod:`chatapp.ui.messages`); the app's one
+``@on(EngineMessage)`` dispatcher hands each to its part :class:`~chatapp.ui.engine_link.EngineClient`
+(``self.engine``: the bridge, the transcript mirror, the streaming reply and the status bar). The
+comforts are a second part (``self.comforts``, ui/comforts.py). This module holds the layout, the
+input, the actions and the command palette, and wires the two parts.
 
 While a reply streams, messages are queued: Enter shows the message marked "queued" and it is
 sent when the engine is free; Esc stops the reply and puts queued messages back into the input
@@ -20,27 +22,52 @@ the saved conversations and opens (resumes), renames or deletes them.
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable
+from typing import Any, Generic, Iterable, TypeVar
 
-from textual.app import ComposeResult, SystemCommand
+from textual import on
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
 from cache.settings import DIALOG_KNOBS, knob_values
-from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Send, SwitchMode
+from chatapp.engine.events import SessionInfo
+from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Request, Send, SwitchMode
 
 from . import start_probe
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
 from .dialogs import ModelDialog
-from .engine_link import INPUT_TITLE, EngineLinkApp
+from .engine_link import INPUT_TITLE, EngineClient
 from .format import MODES, next_mode
+from .messages import EngineMessage
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .widgets import ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
+T = TypeVar("T")
 
-class ChatApp(EngineLinkApp):
+
+class OnEngine(Generic[T]):
+    """An attribute of the app that is its engine client's (``app.engine``): read, and set, there.
+    The app's public face for the comforts' host (``ComfortHost``), ``run_tui`` and tests; the app
+    itself uses ``self.engine`` directly."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, app: Any, owner: type | None = None) -> T:
+        if app is None:
+            return self  # type: ignore[return-value]
+        return getattr(app.engine, self.name)
+
+    def __set__(self, app: Any, value: T) -> None:
+        setattr(app.engine, self.name, value)
+
+
+class ChatApp(App[int]):
     CSS_PATH = "app.tcss"
     TITLE = "chatapp"
     ENABLE_COMMAND_PALETTE = True
@@ -64,11 +91,68 @@ class ChatApp(EngineLinkApp):
         *COMFORT_BINDINGS,  # copy, export, system prompt, switch model (ui/comforts.py)
     ]
 
+    # The engine client's state, read through the app (OnEngine): what the comforts' host face and
+    # tests read. The state itself is the client's.
+    bridge = OnEngine()
+    entries = OnEngine()
+    queued = OnEngine()
+    editing = OnEngine()
+    loaded = OnEngine()
+    load_error = OnEngine()
+    failures = OnEngine()
+    model_id = OnEngine()
+    info = OnEngine()
+    mode = OnEngine()
+    requested_mode = OnEngine()
+    cache_view = OnEngine()
+    memory = OnEngine()
+    live_stats = OnEngine()
+    last_stats = OnEngine()
+    history = OnEngine()
+    conv_steps = OnEngine()
+    conv_memory = OnEngine()
+    store_notes = OnEngine()
+    event_log = OnEngine()
+    status_rate = OnEngine()
+    conversation_id = OnEngine()
+    conversation_title = OnEngine()
+    resume_line = OnEngine()
+    _reply = OnEngine("reply")
+
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
                  resume: int | str | None = None, save: bool = True) -> None:
-        super().__init__(config, blas=blas, verbose=verbose, freeze_stats=freeze_stats, resume=resume, save=save)
+        super().__init__()
+        self.config = config
+        self.blas = blas
+        self.freeze_stats = freeze_stats
+        # the engine's messages, the transcript mirror, the streaming reply, the status bar (ui/engine_link.py)
+        self.engine = EngineClient(self, config, blas=blas, verbose=verbose, freeze_stats=freeze_stats,
+                                   resume=resume, save=save)
         # copy, export, themes, system prompt, model switch: a part with its own state (ui/comforts.py)
-        self.comforts = Comforts(self, self.bridge.data_dir)
+        self.comforts = Comforts(self, self.engine.bridge.data_dir)
+
+    # ---- the engine's messages: the one dispatcher, handled by the engine client ------------------------
+    @on(EngineMessage)
+    async def _on_engine(self, message: EngineMessage) -> None:
+        """Every engine event arrives here (its message subclasses EngineMessage) and goes to the
+        engine client, which records its kind and runs the kind's handler."""
+        await self.engine.dispatch(message)
+
+    # ---- the comforts' host face (ComfortHost): the engine client does the work ------------------------
+    def submit(self, request: Request) -> None:
+        self.engine.submit(request)
+
+    def set_phase(self, phase: str) -> None:
+        self.engine.set_phase(phase)
+
+    def notice(self, note: str) -> None:
+        self.engine.notice(note)
+
+    def show_session(self, info: SessionInfo | None) -> None:
+        self.engine.show_session(info)
+
+    async def show_system_prompt(self, text: str) -> None:
+        await self.engine.show_system_prompt(text)
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -81,9 +165,7 @@ class ChatApp(EngineLinkApp):
         yield Footer(compact=True, show_command_palette=False)
 
     async def on_mount(self) -> None:
-        import asyncio
-
-        self._stream_lock = asyncio.Lock()
+        self.engine.mounted()
         try:
             self.theme = self.config.ui.theme
         except Exception:  # noqa: BLE001 - an unknown theme name is not fatal
@@ -96,23 +178,23 @@ class ChatApp(EngineLinkApp):
         if self.freeze_stats:
             chat_input.cursor_blink = False
         chat_input.focus()
-        self._update_input_state()
-        self._update_status()
-        self.set_interval(max(self.config.ui.render_interval_ms, 10) / 1000, self._flush_stream)
+        self.engine.update_input_state()
+        self.engine.update_status()
+        self.set_interval(max(self.config.ui.render_interval_ms, 10) / 1000, self.engine.flush_stream)
         # The model loads on the engine thread under the chat: the input box takes messages at
         # once (queued until the model is ready); only a download gets the loading screen.
-        self.bridge.start()
+        self.engine.bridge.start()
         self.call_after_refresh(start_probe.reached, "input")
 
     def _current_conversation(self) -> int | None:
         # The UI's own copy (TurnDone, TranscriptLoaded, a new chat): never the engine thread's chat.
-        return self.conversation_id
+        return self.engine.conversation_id
 
     def list_conversations(self) -> tuple[list[Any], str]:
         """The saved conversations (read on the UI thread: SQLite readers never block the writer)."""
         from chatapp.store import ChatStore, StoreError
 
-        data_dir = self.bridge.data_dir()
+        data_dir = self.engine.bridge.data_dir()
         try:
             with ChatStore.open(data_dir, write=False) as store:
                 rows = store.list_conversations()
@@ -125,36 +207,36 @@ class ChatApp(EngineLinkApp):
     def action_sessions(self) -> None:
         if isinstance(self.screen, SessionsScreen):
             return
-        self.sessions_screen = SessionsScreen(self.list_conversations, self.open_conversation,
+        self.engine.sessions_screen = SessionsScreen(self.list_conversations, self.open_conversation,
                                               self.rename_conversation, self.delete_conversation,
                                               current=self._current_conversation())
-        self.push_screen(self.sessions_screen)
+        self.push_screen(self.engine.sessions_screen)
 
     def open_conversation(self, conversation_id: int) -> None:
         """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
         if self.refuse_busy("open"):
             return
-        self.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
-        self._update_input_state()
+        self.engine.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
+        self.engine.update_input_state()
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
-        if not self.loaded:
+        if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
-        self.bridge.rename_conversation(conversation_id, title)
-        self._update_input_state()
+        self.engine.bridge.rename_conversation(conversation_id, title)
+        self.engine.update_input_state()
 
     def delete_conversation(self, conversation_id: int) -> None:
         if self.refuse_busy("delete"):
             return
-        self.bridge.delete_conversation(conversation_id)
-        self._update_input_state()
+        self.engine.bridge.delete_conversation(conversation_id)
+        self.engine.update_input_state()
 
     def refuse_busy(self, what: str) -> bool:
-        if not self.loaded:
+        if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return True
-        if self.bridge.busy:
+        if self.engine.bridge.busy:
             self.notify(f"{what}: wait for the reply to finish (Esc stops it)", severity="warning", markup=False)
             return True
         return False
@@ -164,37 +246,30 @@ class ChatApp(EngineLinkApp):
         text = message.text.strip()
         if not text:
             return  # empty and whitespace-only messages are ignored
-        if not self.loaded:
-            if self.load_error:
+        if not self.engine.loaded:
+            if self.engine.load_error:
                 self.notify("the model could not be loaded", severity="error", markup=False)
                 return
             message.chat_input.clear()
-            await self._queue(text)  # sent once the model is loaded
+            await self.engine.queue(text)  # sent once the model is loaded
             return
-        if self.editing:
+        if self.engine.editing:
             if self.refuse_busy("not resent"):
                 return
             message.chat_input.clear()
             await self._resend_edited(text)
             return
         message.chat_input.clear()
-        if self.bridge.busy or self.queued:
-            await self._queue(text)
+        if self.engine.bridge.busy or self.engine.queued:
+            await self.engine.queue(text)
         else:
             await self.send(text)
 
-    async def _queue(self, text: str) -> None:
-        """Enter during a reply: show the message as queued; it is sent when the engine is free."""
-        widget = UserMessage(text)
-        widget.tags = ["queued"]
-        self.queued.append(widget)
-        await self._mount_message(widget)
-
     async def _unqueue(self) -> None:
         """Esc: queued messages go back into the input box instead of being sent."""
-        if not self.queued:
+        if not self.engine.queued:
             return
-        texts = await self._take_queued()
+        texts = await self.engine.take_queued()
         box = self.query_one(ChatInput)
         box.text = "\n\n".join(texts + ([box.text] if box.text.strip() else []))
         box.move_cursor(box.document.end)
@@ -202,15 +277,15 @@ class ChatApp(EngineLinkApp):
 
     async def send(self, text: str) -> None:
         """Send ``text`` as the user's next message (what Enter does)."""
-        await self._add_message(UserMessage(text), "user")
-        await self._start_reply(Send(text))
+        await self.engine.add_message(UserMessage(text), "user")
+        await self.engine.start_reply(Send(text))
 
     async def _resend_edited(self, text: str) -> None:
-        self.editing = False
-        i = self._last_user()
+        self.engine.editing = False
+        i = self.engine.last_user()
         if i is None:
             return
-        entry = self.entries[i]
+        entry = self.engine.entries[i]
         chat = self.query_one(ChatView)
         if entry.widget is not None and entry.widget.parent is chat:
             later = chat.children[chat.children.index(entry.widget) + 1:]
@@ -219,132 +294,133 @@ class ChatApp(EngineLinkApp):
             entry.widget.set_tag("edited")
         else:
             entry.widget = UserMessage(text, i)
-            await self._mount_message(entry.widget)
-        for e in self.entries[i + 1:]:
+            await self.engine.mount_message(entry.widget)
+        for e in self.engine.entries[i + 1:]:
             if e.widget is not None and e.widget.is_attached:
                 await e.widget.remove()
-        del self.entries[i + 1:]
+        del self.engine.entries[i + 1:]
         entry.text = text
-        await self._start_reply(EditLast(text))
+        await self.engine.start_reply(EditLast(text))
 
     # ---- actions ----------------------------------------------------------------------------------------
     async def action_cancel(self) -> None:
-        if self._reply is not None:
-            self.bridge.cancel()
+        if self.engine.reply is not None:
+            self.engine.bridge.cancel()
             await self._unqueue()
-        elif self.queued:
+        elif self.engine.queued:
             await self._unqueue()
-        elif self.editing:
-            self.editing = False
+        elif self.engine.editing:
+            self.engine.editing = False
             self.query_one(ChatInput).clear()
-            self._update_input_state()
+            self.engine.update_input_state()
 
     async def action_new_chat(self) -> None:
         if self.refuse_busy("new chat"):
             return
-        await self._clear_conversation()
-        self.submit(NewChat())  # the engine answers with the new session's description
-        self._update_panel()
+        await self.engine.clear_conversation()
+        self.engine.submit(NewChat())  # the engine answers with the new session's description
+        self.engine.update_panel()
         self.notify("new chat", markup=False, timeout=2)
 
     async def action_regenerate(self) -> None:
         if self.refuse_busy("regenerate"):
             return
-        if self._last_user() is None:
+        if self.engine.last_user() is None:
             self.notify("nothing to regenerate yet", markup=False)
             return
-        if self.entries[-1].role == "assistant":
-            entry = self.entries.pop()
+        if self.engine.entries[-1].role == "assistant":
+            entry = self.engine.entries.pop()
             if entry.widget is not None and entry.widget.is_attached:
                 await entry.widget.remove()
-        await self._start_reply(Regenerate())
+        await self.engine.start_reply(Regenerate())
 
     def action_edit_last(self) -> None:
         if self.refuse_busy("edit"):
             return
-        i = self._last_user()
+        i = self.engine.last_user()
         if i is None:
             self.notify("there is no message to edit yet", markup=False)
             return
         chat_input = self.query_one(ChatInput)
-        self.editing = True
-        chat_input.text = self.entries[i].text
+        self.engine.editing = True
+        chat_input.text = self.engine.entries[i].text
         chat_input.move_cursor(chat_input.document.end)
         chat_input.focus()
-        self._update_input_state()
+        self.engine.update_input_state()
 
     async def action_clear(self) -> None:
         await self.query_one(ChatView).remove_children()
-        for entry in self.entries:
+        for entry in self.engine.entries:
             entry.widget = None
-        if self._reply is not None:  # keep the streaming reply and the queue on screen
-            await self._mount_message(self._reply)
-        for widget in self.queued:
-            await self._mount_message(widget)
+        if self.engine.reply is not None:  # keep the streaming reply and the queue on screen
+            await self.engine.mount_message(self.engine.reply)
+        for widget in self.engine.queued:
+            await self.engine.mount_message(widget)
         self.notify("screen cleared; the model still has the conversation (Ctrl+N starts over)",
                     markup=False, timeout=3)
 
     def action_toggle_panel(self) -> None:
         panel = self.query_one(SidePanel)
         panel.display = not panel.display
-        self._update_panel()
+        self.engine.update_panel()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
     def action_show_config(self) -> None:
-        extra = [("model", self.model_id)]
-        if self.info is not None:
-            extra.append(("prompt format", self.info.fmt))
-            extra.append(("cache mode in use", self._mode_label()))
+        extra = [("model", self.engine.model_id)]
+        if self.engine.info is not None:
+            extra.append(("prompt format", self.engine.info.fmt))
+            extra.append(("cache mode in use", self.engine.mode_label()))
         if self.blas is not None:
             extra.append(("BLAS", self.blas.summary() if hasattr(self.blas, "summary") else str(self.blas)))
         self.push_screen(ConfigScreen(self.config, extra))
 
     def switch_mode(self, mode: str, changes: dict | None = None) -> None:
         """Ask the engine to switch the cache mode; during a reply it applies when the reply ends."""
-        if not self.loaded:
+        if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
-        if self._reply is not None:
+        if self.engine.reply is not None:
             self.notify(f"cache mode {mode}: applies when this reply ends", markup=False, timeout=4)
-        self.requested_mode = mode
-        self.submit(SwitchMode(mode, dict(changes or {})))
-        if self._reply is None:
-            self.phase = f"switching to {mode}"
-        self._update_status()
+        self.engine.requested_mode = mode
+        self.engine.submit(SwitchMode(mode, dict(changes or {})))
+        if self.engine.reply is None:
+            self.engine.phase = f"switching to {mode}"
+        self.engine.update_status()
 
     def action_cycle_mode(self) -> None:
-        self.switch_mode(next_mode(self.requested_mode))
+        self.switch_mode(next_mode(self.engine.requested_mode))
 
     def action_mode_dialog(self) -> None:
-        if not self.loaded:
+        if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
-        settings = self.info.settings if self.info else knob_values(self.config.cache, DIALOG_KNOBS)
-        effective = self.info.effective if self.info else {}
+        settings = self.engine.info.settings if self.engine.info else knob_values(self.config.cache, DIALOG_KNOBS)
+        effective = self.engine.info.effective if self.engine.info else {}
 
         def done(result) -> None:
             if result is not None:
                 mode, changes = result
                 self.switch_mode(mode, changes)
 
-        self.push_screen(ModeDialog(self.requested_mode, settings, effective, busy=self.bridge.busy), done)
+        dialog = ModeDialog(self.engine.requested_mode, settings, effective, busy=self.engine.bridge.busy)
+        self.push_screen(dialog, done)
 
     def action_compare(self) -> None:
         if self.refuse_busy("compare"):
             return
-        if self._last_user() is None:
+        if self.engine.last_user() is None:
             self.notify("send a message first: compare replays the last turn", markup=False)
             return
-        self.compare_rows = []
+        self.engine.compare_rows = []
         max_tokens = min(self.config.sampling.max_tokens, 128)
-        self.compare_screen = CompareScreen(MODES)
-        self.push_screen(self.compare_screen)
-        self.submit(Compare(tuple(MODES), max_tokens))
-        self.phase = "comparing"
-        self._update_status()
+        self.engine.compare_screen = CompareScreen(MODES)
+        self.push_screen(self.engine.compare_screen)
+        self.engine.submit(Compare(tuple(MODES), max_tokens))
+        self.engine.phase = "comparing"
+        self.engine.update_status()
 
     # ---- the comforts (ui/comforts.py): Textual finds actions on the app, the part does the work ----
     def action_copy_last_reply(self) -> None:
@@ -374,11 +450,11 @@ class ChatApp(EngineLinkApp):
         return self.comforts.model_dialog
 
     async def action_quit(self) -> None:
-        self.bridge.stop(timeout=1.0)
+        self.engine.bridge.stop(timeout=1.0)
         self.exit(0)
 
     def on_unmount(self) -> None:
-        self.bridge.stop(timeout=1.0)
+        self.engine.bridge.stop(timeout=1.0)
 
     # Actions of the main screen: off while a dialog (or the loading screen) is on top, so that,
     # say, Ctrl+N in the mode dialog does not start a new chat behind it.
@@ -391,7 +467,7 @@ class ChatApp(EngineLinkApp):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action in self.MAIN_ACTIONS and len(self.screen_stack) > 1:
             return action == "show_config" and isinstance(self.screen, LoadingScreen)
-        if action in self.MAIN_ACTIONS and not self.loaded:
+        if action in self.MAIN_ACTIONS and not self.engine.loaded:
             return action in self.LOADING_ACTIONS
         return True
 

@@ -8,7 +8,7 @@ conversation's id and title, ``refuse_busy``, ``submit``, ...): no private name 
 no attribute it merely hopes the app has. The app keeps the bindings (Textual looks actions up on
 the app) and its ``action_*`` methods delegate here. Engine work (the system prompt, the model
 switch) is a typed request (``SetSystemPrompt``, ``SwitchModel``); its result comes back as its
-own message (``ui/messages.py``), whose ``@on`` handler in ``ui/engine_link.py`` calls
+own message (``ui/messages.py``), whose handler on the engine client (``ui/engine_link.py``) calls
 :meth:`Comforts.system_changed` / :meth:`Comforts.model_switched`.
 """
 

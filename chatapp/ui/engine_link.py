@@ -1,29 +1,28 @@
-"""The half of the chat app that follows the engine: its messages, the streaming reply, the
-transcript mirror, the status bar and the side panel.
+"""The app's part that follows the engine (``ChatApp.engine``, an :class:`EngineClient`): its
+messages, the streaming reply, the transcript mirror, the status bar and the side panel.
 
-:class:`EngineLinkApp` is the base of :class:`chatapp.ui.app.ChatApp` (which adds the layout, the
-input, the actions, the command palette and the comforts' part); the state read here is created by
-its own ``__init__``, not left for the subclass to provide. Each kind of engine event arrives as
-its own message (:mod:`chatapp.ui.messages`, all subclasses of ``EngineMessage``); one
-``@on(EngineMessage)`` dispatcher records its ``kind`` in ``event_log`` and runs the kind's
-handler, a method marked ``@handles(<event type>)`` (``HANDLERS``). The comforts' results go on to
-their part (``self.comforts``, ui/comforts.py). The one busy state is the bridge's: the requests
-in flight (``bridge.in_flight``, ``bridge.busy``).
+The client owns its state (created by its own ``__init__``) and reaches the app only through
+:class:`EngineHost`, the app's public face it needs (notifications, screens, widgets, the config
+and the comforts' part); the app reads the client's state through ``app.engine`` and never the
+other way round by private name. Each kind of engine event arrives as its own message
+(:mod:`chatapp.ui.messages`, all subclasses of ``EngineMessage``); the app's one
+``@on(EngineMessage)`` dispatcher hands it to :meth:`EngineClient.dispatch`, which records its
+``kind`` in ``event_log`` and runs the kind's handler, a method marked ``@handles(<event type>)``
+(``HANDLERS``). The comforts' results go on to their part (``host.comforts``, ui/comforts.py).
+The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
 
-The UI keeps a mirror of the session's conversation (``entries``) so that message indexes
+The client keeps a mirror of the session's conversation (``entries``) so that message indexes
 reported by the engine (``CacheView.first_visible_message``) map to transcript widgets.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import re
 from collections import deque
-from typing import Any, Callable
-
-from textual import on
-from textual.app import App
+from typing import Any, Callable, Protocol
 
 from cache.settings import CAPPED, starting_mode
 from chatapp.engine.events import (
@@ -51,6 +50,7 @@ from chatapp.engine.stats import CacheView, MemoryGauges, StepStat, TurnStats
 from . import start_probe
 from .bridge import EngineBridge
 from .coalesce import Coalescer
+from .comforts import Comforts
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
 from .markers import CacheNotice, EvictionWatch, apply_markers
 from .messages import EngineMessage
@@ -73,7 +73,7 @@ EDIT_TITLE = "editing your last message · Enter resends · Esc cancels"
 LOADING_TITLE = "the model is loading · Enter queues your message · Ctrl+Q quits"
 
 
-#: event kind -> the EngineLinkApp method that shows it (filled by ``@handles``; one per kind)
+#: event kind -> the EngineClient method that shows it (filled by ``@handles``; one per kind)
 HANDLERS: dict[type, Callable[[Any, Any], Any]] = {}
 
 
@@ -88,18 +88,38 @@ def handles(*kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
-class EngineLinkApp(App[int]):
-    """Owns what the engine's events change (created here, not by the subclass): the bridge, the
-    session as last described, the transcript mirror, the streaming reply and its statistics."""
+class EngineHost(Protocol):
+    """What the engine client uses of the app (``ChatApp``): Textual's screens, widgets and
+    notifications, the configuration (which a model switch replaces) and the comforts' part."""
 
-    def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
+    config: Any
+    comforts: Comforts
+    sub_title: str
+
+    @property
+    def is_mounted(self) -> bool: ...
+    @property
+    def screen_stack(self) -> list[Any]: ...
+    def notify(self, message: str, **kwargs: Any) -> None: ...
+    def push_screen(self, screen: Any, callback: Callable[[Any], Any] | None = None) -> Any: ...
+    def pop_screen(self) -> Any: ...
+    def query_one(self, selector: Any, expect_type: Any = None) -> Any: ...
+    def refresh_bindings(self) -> None: ...
+    def post_message(self, message: Any) -> bool: ...
+
+
+class EngineClient:
+    """The app's part that follows the engine (``ChatApp.engine``). Owns what the engine's events
+    change: the bridge, the session as last described, the transcript mirror, the streaming reply
+    and its statistics, the status bar's rebuilds. ``host`` is the app (:class:`EngineHost`)."""
+
+    def __init__(self, host: EngineHost, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
                  resume: int | str | None = None, save: bool = True) -> None:
-        super().__init__()
-        self.config = config
+        self.host = host
         self.blas = blas
         self.verbose = verbose
         self.freeze_stats = freeze_stats
-        self.bridge = EngineBridge(config, self.post_message, save=save, resume=resume)
+        self.bridge = EngineBridge(config, host.post_message, save=save, resume=resume)
         self.conversation_id: int | None = None  # the saved conversation on screen (opened, resumed, or a TurnDone's)
         self.conversation_title = ""
         self.resume_line = ""  # how the last opened conversation was resumed
@@ -126,21 +146,23 @@ class EngineLinkApp(App[int]):
         self.loading_screen: LoadingScreen | None = None
         self.editing = False
         self.phase = "loading"
-        self._reply: AssistantMessage | None = None
+        self.reply: AssistantMessage | None = None  # the reply streaming now
         self.queued: list[UserMessage] = []  # messages sent during a reply, waiting their turn
         self._pending_text = ""
-        self._stream_lock = None
+        self._stream_lock: asyncio.Lock | None = None
         self._seen_notices: set[str] = set()
         self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
         self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
 
+    def mounted(self) -> None:
+        """The app is mounted: the streaming reply's lock belongs to its event loop."""
+        self._stream_lock = asyncio.Lock()
+
     # ---- engine messages: one dispatcher, one handler per kind -----------------------------------------
-    @on(EngineMessage)
-    async def _on_engine(self, message: EngineMessage) -> None:
-        """Every engine event arrives here (its message subclasses EngineMessage): the kind is
-        recorded and its handler, looked up by the event's type, runs. One dispatcher rather than
-        one forwarding ``@on`` method per kind: an event is one hop from the message to its handler."""
+    async def dispatch(self, message: EngineMessage) -> None:
+        """Every engine event the app's one ``@on(EngineMessage)`` receives comes here: the kind is
+        recorded and its handler, looked up by the event's type, runs (one handler per kind)."""
         self.event_log.append(message.kind)
         result = HANDLERS[type(message.event)](self, message.event)
         if inspect.isawaitable(result):
@@ -152,13 +174,13 @@ class EngineLinkApp(App[int]):
             # a download takes minutes: its own screen with a progress bar (a later start loads
             # under the chat, whose input box takes messages from the first frame on)
             self.loading_screen = LoadingScreen(self.model_id)
-            await self.push_screen(self.loading_screen)
+            await self.host.push_screen(self.loading_screen)
         if self.loading_screen is not None:
             self.loading_screen.progress(ev.phase, ev.detail, ev.percent)
         elif not self.loaded:
             self.set_phase(f"loading: {ev.detail}")
         else:  # a switch compiling the new model's kernels: its dialog shows it
-            self.comforts.model_progress(ev.detail)
+            self.host.comforts.model_progress(ev.detail)
 
     @handles(TranscriptLoaded)
     async def _transcript(self, ev: TranscriptLoaded) -> None:
@@ -169,17 +191,17 @@ class EngineLinkApp(App[int]):
 
     @handles(SystemChange)
     async def _system_changed(self, ev: SystemChange) -> None:
-        await self.comforts.system_changed(ev)  # the part that asked for it (ui/comforts.py)
+        await self.host.comforts.system_changed(ev)  # the part that asked for it (ui/comforts.py)
 
     @handles(ModelSwitch)
     async def _model_switched(self, ev: ModelSwitch) -> None:
-        await self.comforts.model_switched(ev)
+        await self.host.comforts.model_switched(ev)
 
     @handles(ModelReleased)
     def _model_released(self, ev: ModelReleased) -> None:
         line = ev.line()
         self.store_notes.append(("note", line))
-        self.notify(line, title="model switched", markup=False, timeout=12)
+        self.host.notify(line, title="model switched", markup=False, timeout=12)
 
     @handles(TokenEvent)
     def _token(self, ev: TokenEvent) -> None:
@@ -195,7 +217,7 @@ class EngineLinkApp(App[int]):
 
     @handles(Switched)
     def _switched(self, ev: Switched) -> None:
-        self.notify(ev.report.line(), title="cache mode", markup=False)
+        self.host.notify(ev.report.line(), title="cache mode", markup=False)
         self.mode = ev.report.mode
         self.show_session(ev.info)
 
@@ -214,28 +236,28 @@ class EngineLinkApp(App[int]):
         self.phase = ""
         self.model_id = ev.model_id or self.model_id
         # Pop the loading screen (and anything opened over it, e.g. help).
-        while self.loading_screen is not None and self.loading_screen in self.screen_stack:
-            await self.pop_screen()
+        while self.loading_screen is not None and self.loading_screen in self.host.screen_stack:
+            await self.host.pop_screen()
         self.loading_screen = None
         if self._pending_transcript is not None:
             await self._show_transcript(self._pending_transcript)
             self._pending_transcript = None
-        elif self.config.chat.system:
-            await self._add_message(SystemMessage(self.config.chat.system, 0), "system")
+        elif self.host.config.chat.system:
+            await self.add_message(SystemMessage(self.host.config.chat.system, 0), "system")
         for note in ev.notes:
             self.notice(note)
         if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
-            self.notify(self.blas.summary(), markup=False)
+            self.host.notify(self.blas.summary(), markup=False)
         self.show_session(ev.info)
         if self.queued:  # typed while loading: after what the load showed, then sent in turn
-            for text in await self._take_queued():
-                await self._queue(text)
+            for text in await self.take_queued():
+                await self.queue(text)
             if not self.bridge.busy:
-                await self._send_queued()
-        self.query_one(ChatInput).focus()
-        self.refresh_bindings()  # the main actions a load held back (ChatApp.check_action)
-        self._update_input_state()
-        self._update_status()
+                await self.send_queued()
+        self.host.query_one(ChatInput).focus()
+        self.host.refresh_bindings()  # the main actions a load held back (ChatApp.check_action)
+        self.update_input_state()
+        self.update_status()
         start_probe.reached("ready")
 
     @handles(SessionInfo)
@@ -243,7 +265,7 @@ class EngineLinkApp(App[int]):
         """A state change's event came with the session it produced (or it is the description
         itself): show it, no second request. None: only the status bar is rebuilt."""
         if info is None:
-            self._update_status()
+            self.update_status()
             return
         if self.freeze_stats:
             info.cache = freeze_cache(info.cache)
@@ -255,18 +277,18 @@ class EngineLinkApp(App[int]):
         self.cache_view = info.cache
         self._mark_evicted(info.cache)
         self._cache_markers(info.cache)
-        self._update_status()
-        self._update_panel()
+        self.update_status()
+        self.update_panel()
 
     @handles(TurnDone)
     async def _turn_done(self, ev: TurnDone) -> None:
         stats = self._fz(ev.stats)
-        widget = self._reply
+        widget = self.reply
         async with self._stream_lock:
             self._pending_text = ""
             if widget is not None:
                 await widget.finish(ev.text, stats.finish)
-        self._reply = None
+        self.reply = None
         self.live_stats = None
         self.phase = ""
         if ev.conversation_id is not None:  # a first turn saved a new conversation
@@ -285,32 +307,32 @@ class EngineLinkApp(App[int]):
         self.memory = stats.memory if stats.memory_trace else self.memory
         if stats.prefix_tokens:  # every time, not once per kind like the notices below
             self.store_notes.append(("note", stats.prefix_line()))
-            self.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
+            self.host.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
             self.notice(note)
         self._mark_evicted(stats.cache)
         self._cache_markers(stats.cache)
-        self._update_status()
-        self._update_panel()
+        self.update_status()
+        self.update_panel()
 
     @handles(Idle)
     async def _idle(self, _ev: Idle) -> None:
         request = self.bridge.idle()
         match request:
-            case Send() | Regenerate() | EditLast() if self._reply is not None:
+            case Send() | Regenerate() | EditLast() if self.reply is not None:
                 # The request ended without a TurnDone: it failed (the Failed event said why).
-                await self._flush_stream()
-                self._reply.fail("")
-                self._reply = None
+                await self.flush_stream()
+                self.reply.fail("")
+                self.reply = None
                 self.live_stats = None
             case Compare() if self.compare_screen is not None:
                 self.compare_screen.finish()
         if not self.bridge.busy:
             self.phase = ""
             if self.queued:
-                await self._send_queued()
-        self._update_input_state()
-        self._update_status()
+                await self.send_queued()
+        self.update_input_state()
+        self.update_status()
 
     @handles(Failed, StartupFailed)
     def _failed(self, ev: Failed | StartupFailed) -> None:
@@ -324,22 +346,22 @@ class EngineLinkApp(App[int]):
                 self.loading_screen.fail(ev.message)
             else:  # loading went on under the chat: the failure gets the loading screen's page
                 self.loading_screen = LoadingScreen(self.model_id, error=ev.message)
-                self.push_screen(self.loading_screen)
-            self.notify(ev.message, title="could not load the model", severity="error", markup=False,
+                self.host.push_screen(self.loading_screen)
+            self.host.notify(ev.message, title="could not load the model", severity="error", markup=False,
                         timeout=30)
             return
-        self.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
+        self.host.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
 
     def notice(self, note: str) -> None:
         key = re.sub(r"\d+", "#", note)
         if key in self._seen_notices:
             return
         self._seen_notices.add(key)
-        self.notify(note, title="note", severity="warning", markup=False, timeout=10)
+        self.host.notify(note, title="note", severity="warning", markup=False, timeout=10)
 
     async def show_system_prompt(self, text: str) -> None:
         """The conversation's system prompt is ``text`` now ("" none): the transcript mirror follows."""
-        chat = self.query_one(ChatView)
+        chat = self.host.query_one(ChatView)
         first = self.entries[0] if self.entries else None
         if first is not None and first.role == "system":
             if text:
@@ -353,7 +375,7 @@ class EngineLinkApp(App[int]):
         elif text:
             widget = SystemMessage(text, 0)
             if first is None:
-                await self._add_message(widget, "system")
+                await self.add_message(widget, "system")
             else:
                 self.entries.insert(0, dataclasses.replace(first, role="system", text=text, widget=widget))
                 await chat.mount(widget, before=chat.children[0] if chat.children else None)
@@ -366,13 +388,13 @@ class EngineLinkApp(App[int]):
     def _store_notes(self, ev: ChatNotes) -> None:
         for level, text in ev.notes:
             self.store_notes.append((level, text))
-            self.notify(text, title="error" if level == "error" else "note",
+            self.host.notify(text, title="error" if level == "error" else "note",
                         severity="error" if level == "error" else "warning", markup=False, timeout=10)
 
     async def _show_transcript(self, ev: TranscriptLoaded) -> None:
         """A saved conversation became the session's: show its messages."""
         self.editing = False
-        await self.query_one(ChatView).remove_children()
+        await self.host.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
         self.conv_memory = []
@@ -387,82 +409,81 @@ class EngineLinkApp(App[int]):
                     widget.tags = ["interrupted"]
                     widget.add_class("interrupted")
             self.entries.append(Entry(role, content, widget))
-            await self._mount_message(widget)
+            await self.mount_message(widget)
         self.conversation_id = ev.conversation_id
         self.conversation_title = ev.title
         self.resume_line = ev.line
-        self.sub_title = ev.title
+        self.host.sub_title = ev.title
         if ev.info is not None:
             self.show_session(ev.info)
-        self.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
+        self.host.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
                     severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
-        self._update_input_state()
-        self._update_status()
-        self._update_panel()
+        self.update_input_state()
+        self.update_status()
+        self.update_panel()
 
     @handles(ConversationChanged)
     async def _conversation_changed(self, ev: ConversationChanged) -> None:
         if ev.deleted:
             if ev.current:
-                await self._clear_conversation()
+                await self.clear_conversation()
                 self.show_session(ev.info)
-            self.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
+            self.host.notify(f"conversation {ev.conversation_id} deleted", markup=False, timeout=4)
         else:
             if ev.current:
                 self.conversation_title = ev.title
-                self.sub_title = ev.title
-            self.notify(f"conversation {ev.conversation_id} renamed to {ev.title}", markup=False, timeout=4)
+                self.host.sub_title = ev.title
+            self.host.notify(f"conversation {ev.conversation_id} renamed to {ev.title}", markup=False, timeout=4)
         if self.sessions_screen is not None and self.sessions_screen.is_attached:
-            self.sessions_screen.current = self._current_conversation()
+            self.sessions_screen.current = self.conversation_id
             self.sessions_screen.reload()
 
-    async def _clear_conversation(self) -> None:
+    async def clear_conversation(self) -> None:
         self.editing = False
         self.eviction_watch.reset()
-        await self.query_one(ChatView).remove_children()
+        await self.host.query_one(ChatView).remove_children()
         self.entries = []
         self.conv_steps = []
         self.conv_memory = []
         self.last_stats = None
         self.conversation_id = None
         self.conversation_title = ""
-        self.sub_title = ""
-        if self.config.chat.system:
-            await self._add_message(SystemMessage(self.config.chat.system), "system")
-        self._update_panel()
+        self.host.sub_title = ""
+        if self.host.config.chat.system:
+            await self.add_message(SystemMessage(self.host.config.chat.system), "system")
+        self.update_panel()
 
     # ---- streaming ----------------------------------------------------------------------------------
-    async def _flush_stream(self) -> None:
+    async def flush_stream(self) -> None:
         """Move the text received since the last tick into the reply (on a timer, and at the end);
         the timer also rebuilds the status bar when figures wait for their interval."""
         self.status_rate.tick()
         if self._stream_lock is None:
             return
         async with self._stream_lock:
-            if self._reply is not None and self._pending_text:
+            if self.reply is not None and self._pending_text:
                 chunk, self._pending_text = self._pending_text, ""
-                await self._reply.append(chunk)
+                await self.reply.append(chunk)
 
-    async def _start_reply(self, request: Request, after: ChatMessage | None = None) -> None:
+    async def start_reply(self, request: Request, after: ChatMessage | None = None) -> None:
         widget = AssistantMessage()
         widget.tags = ["streaming"]
-        await self._mount_message(widget, after=after)
-        self._reply = widget
+        await self.mount_message(widget, after=after)
+        self.reply = widget
         self._pending_text = ""
         self.live_stats = None
         self.phase = "thinking"
         self.submit(request)
-        self._update_status()
+        self.update_status()
 
     def submit(self, request: Request) -> None:
         """Hand ``request`` to the engine thread (it is in flight, the app busy, until its Idle)."""
         self.bridge.submit(request)
-        self._update_input_state()
-
+        self.update_input_state()
 
     # ---- the transcript mirror --------------------------------------------------------------------------
-    async def _mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
-        chat = self.query_one(ChatView)
+    async def mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
+        chat = self.host.query_one(ChatView)
         if after is not None and after.parent is chat:
             await chat.mount(widget, after=after)
         else:
@@ -470,14 +491,14 @@ class EngineLinkApp(App[int]):
         if chat.is_anchored and not chat._anchor_released:
             chat.scroll_end(animate=False)
 
-    async def _add_message(self, widget: ChatMessage, role: str) -> Entry:
+    async def add_message(self, widget: ChatMessage, role: str) -> Entry:
         widget.conv_index = len(self.entries)
         entry = Entry(role, widget.text, widget)
         self.entries.append(entry)
-        await self._mount_message(widget)
+        await self.mount_message(widget)
         return entry
 
-    def _last_user(self) -> int | None:
+    def last_user(self) -> int | None:
         for i in range(len(self.entries) - 1, -1, -1):
             if self.entries[i].role == "user":
                 return i
@@ -489,7 +510,7 @@ class EngineLinkApp(App[int]):
         line = self.eviction_watch.check(cache.messages, [e.role for e in self.entries], cache,
                                          self.info.effective if self.info else {})
         if line:
-            self.query_one(ChatView).mount(CacheNotice(line, markup=False))
+            self.host.query_one(ChatView).mount(CacheNotice(line, markup=False))
 
     def _mark_evicted(self, cache: CacheView) -> None:
         """Dim the messages before ``first_visible_message`` (the model no longer sees them), all but
@@ -502,7 +523,7 @@ class EngineLinkApp(App[int]):
                 entry.widget.set_evicted(i < cache.first_visible_message and gone)
 
     # ---- status and panel ---------------------------------------------------------------------------------
-    def _mode_label(self) -> str:
+    def mode_label(self) -> str:
         if self.requested_mode == "auto":
             return f"auto→{self.mode}"
         return self.mode
@@ -521,40 +542,40 @@ class EngineLinkApp(App[int]):
     def set_phase(self, phase: str) -> None:
         """What the status bar says the app is doing ("" nothing in particular); shown at once."""
         self.phase = phase
-        self._update_status()
+        self.update_status()
 
-    def _update_status(self) -> None:
+    def update_status(self) -> None:
         """Rebuild the status bar now (per-token figures go through ``status_rate.request``)."""
         self.status_rate.now()
 
     def _rebuild_status(self) -> None:
-        if not self.is_mounted:
+        if not self.host.is_mounted:
             return
-        live = self._reply is not None and self.live_stats is not None
+        live = self.reply is not None and self.live_stats is not None
         stats = self.live_stats if live else self.last_stats
         cache = live_cache(stats, self.cache_view, self._budget()) if live else self.cache_view
-        if self._reply is not None:
+        if self.reply is not None:
             phase = "streaming" if self.live_stats and self.live_stats.generated_tokens else self.phase or "thinking"
         else:
             phase = self.phase or ("busy" if self.bridge.busy else "")
         try:
-            bar = self.query_one(StatusBar)
+            bar = self.host.query_one(StatusBar)
         except Exception:  # noqa: BLE001 - not composed yet
             return
-        bar.set_items(status_items(self.model_id, self._mode_label(), stats, cache, live=live, phase=phase,
+        bar.set_items(status_items(self.model_id, self.mode_label(), stats, cache, live=live, phase=phase,
                                    memory=self.memory))
 
-    def _update_panel(self) -> None:
+    def update_panel(self) -> None:
         try:
-            panel = self.query_one(SidePanel)
+            panel = self.host.query_one(SidePanel)
         except Exception:  # noqa: BLE001
             return
         if panel.display:
             panel.update_panel(self.conv_steps, self.cache_view, self.history, self.conv_memory, self.memory)
 
-    def _update_input_state(self) -> None:
+    def update_input_state(self) -> None:
         try:
-            chat_input = self.query_one(ChatInput)
+            chat_input = self.host.query_one(ChatInput)
         except Exception:  # noqa: BLE001
             return
         busy = self.bridge.busy
@@ -563,7 +584,14 @@ class EngineLinkApp(App[int]):
         chat_input.border_title = (LOADING_TITLE if not self.loaded else EDIT_TITLE if self.editing
                                    else BUSY_TITLE if busy else INPUT_TITLE)
 
-    async def _take_queued(self) -> list[str]:
+    async def queue(self, text: str) -> None:
+        """Enter during a reply (or a load): show the message as queued; it is sent when the engine is free."""
+        widget = UserMessage(text)
+        widget.tags = ["queued"]
+        self.queued.append(widget)
+        await self.mount_message(widget)
+
+    async def take_queued(self) -> list[str]:
         """The queued messages' texts, their widgets removed and the queue emptied."""
         texts = [w.text for w in self.queued]
         for widget in self.queued:
@@ -572,9 +600,9 @@ class EngineLinkApp(App[int]):
         self.queued = []
         return texts
 
-    async def _send_queued(self) -> None:
+    async def send_queued(self) -> None:
         widget = self.queued.pop(0)
         widget.set_tag("queued", False)
         widget.conv_index = len(self.entries)
         self.entries.append(Entry("user", widget.text, widget))
-        await self._start_reply(Send(widget.text), after=widget)
+        await self.start_reply(Send(widget.text), after=widget)

@@ -5,7 +5,7 @@ engine's, the store's and the bridge's own) is wrapped by :func:`message_for` in
 its kind and posted to the app (``post_message`` is thread-safe). The app's one
 ``@on(EngineMessage)`` dispatcher hands each to its kind's handler (``ui/engine_link.HANDLERS``).
 Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which the
-app records in ``event_log``.
+engine client (``app.engine``) records in ``event_log``.
 """
 
 from __future__ import annotations
