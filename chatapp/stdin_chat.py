@@ -137,6 +137,8 @@ def run_no_tui(args, config, blas) -> int:
             case TokenEvent(text=text) if text:
                 out.write(safe(text))
                 out.flush()
+            case TurnDone(error=error) if error:
+                state["replying"] = False  # the reply failed: its exception follows, no statistics row
             case TurnDone(stats=stats):
                 state["replying"] = False
                 out.write("\n")

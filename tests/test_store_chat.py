@@ -213,6 +213,35 @@ def test_reply_abandoned_mid_stream_is_kept_interrupted(stories_loaded, stories_
 
 
 # ---- failures ------------------------------------------------------------------------------------------
+def test_a_reply_that_fails_part_way_still_ends_with_a_turn_done_marked_failed(stories_loaded, stories_id, tmp_path):
+    """The turn driver ends a reply that raises part-way with a TurnDone (``error`` set, finish
+    "error", the text shown, the conversation it went into), then lets the exception go on."""
+    from chatapp.engine.requests import Send
+
+    chat = open_chat(stories_session(stories_loaded, GenerationSettings(temp=0.0, max_tokens=200)), stories_id,
+                     tmp_path)
+    real = chat.session.decode
+
+    def failing(*args, **kwargs):
+        for i, ev in enumerate(real(*args, **kwargs)):
+            if i == 12:
+                raise RuntimeError("the device went away")
+            yield ev
+
+    chat.session.decode = failing
+    seen: list = []
+    with pytest.raises(RuntimeError, match="the device went away"):
+        chat.turn(Send(QUESTIONS[0]), seen.append, lambda notes: None)
+    done = seen[-1]
+    assert isinstance(done, TurnDone), [type(ev).__name__ for ev in seen[-3:]]
+    assert done.error == "the device went away" and done.stats.finish == "error"
+    shown = "".join(ev.text for ev in seen if isinstance(ev, TokenEvent))
+    assert shown and done.text == shown
+    assert done.conversation_id is not None and done.conversation_id == chat.conversation_id
+    chat.close()
+    assert contents(tmp_path) == [("user", QUESTIONS[0], "complete"), ("assistant", shown, "interrupted")]
+
+
 def test_database_full_goes_on_in_memory_and_keeps_what_was_saved(stories_loaded, stories_id, tmp_path):
     lm = stories_loaded
     chat = open_chat(stories_session(lm), stories_id, tmp_path)

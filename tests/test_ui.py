@@ -465,6 +465,38 @@ async def test_notes_and_config_show_the_prompt_format(tmp_path):
 
 
 @async_test
+async def test_a_reply_that_fails_part_way_ends_its_turn(stories4_path, monkeypatch):
+    """An exception in the engine mid-reply: a TurnDone marked failed comes before the Failed, so
+    the UI leaves its streaming state, keeps the conversation it went into and mirrors the kept text."""
+    from chatapp.engine.session import Session
+
+    real = Session.decode
+
+    def failing(self, *args, **kwargs):
+        for i, ev in enumerate(real(self, *args, **kwargs)):
+            if i == 6:
+                raise RuntimeError("the device went away")
+            yield ev
+
+    monkeypatch.setattr(Session, "decode", failing)
+    app = make_app(stories4_path)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot)
+        await type_and_send(pilot, "Hello")
+        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.bridge.busy, what="the failure")
+        kinds = list(app.event_log)
+        assert "TurnDone" in kinds and kinds.index("TurnDone") < kinds.index("Failed"), kinds
+        assert app.failures[-1][0] == "send failed: the device went away"
+        assert app._reply is None and app.live_stats is None and not app.history
+        assert app.conversation_id is not None  # the first turn's conversation, known at once
+        reply = replies(app)[-1]
+        assert reply.has_class("failed") and "streaming" not in reply.tags
+        assert app.entries[-1].role == "assistant" and app.entries[-1].widget is reply
+        assert app.entries[-1].text and reply.streamed == app.entries[-1].text  # all that was shown
+        assert "streaming" not in app.query_one(StatusBar).plain
+
+
+@async_test
 async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
     app = make_app(stories4_path)
     async with app.run_test(size=(120, 30)) as pilot:

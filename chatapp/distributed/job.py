@@ -307,7 +307,7 @@ class DistributedJob:
                 self.out.write(self.safe(text))
                 self.out.flush()
                 self.partial = True
-            case TurnDone():
+            case TurnDone(error=""):  # a failed reply's exception is reported after it
                 self.out.write("\n")
                 self.out.flush()
                 self.partial = False

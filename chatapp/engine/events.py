@@ -83,6 +83,10 @@ class TurnDone:
     # driver, None when nothing is saved. The UI keeps its own copy from here rather than reading
     # the engine thread's chat object.
     conversation_id: int | None = None
+    # Not "": the reply failed part-way (one line saying why; ``stats.finish`` is "error"). ``text``
+    # is what was shown of it, which the conversation keeps as an interrupted reply. A Failed event
+    # follows with the traceback; the TurnDone lets every front end end the turn all the same.
+    error: str = ""
 
 
 @dataclass

@@ -83,7 +83,7 @@ class TurnStats:
     ttft: float = 0.0  # seconds from the turn's start to its first token
     generated_tokens: int = 0
     decode_seconds: float = 0.0
-    finish: str = ""  # "eos", "stop", "length", "cancelled"
+    finish: str = ""  # "eos", "stop", "length", "cancelled", "error" (a reply that raised part-way)
     route: str = ""  # the decode's route: "fused" (the native step) or "mlx (why)", engine/route.py
     peak_memory: int = 0
     prefix_tokens: int = 0  # prompt tokens loaded from the prefix store when the turn started

@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 
 from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.requests import EditLast, Regenerate, Send
+from chatapp.engine.stats import TurnStats
 from chatapp.prompt.conversation import Conversation, common_prefix
 
 from .db import ChatStore, StoreError, describe_sqlite_error
@@ -176,9 +177,11 @@ class PersistentChat(SnapshotResume):
 
         A message is first admitted (:meth:`prepare`; ``admit=False`` sends it as it is); the
         reply's events go to ``emit`` as they come, each message saved; once the reply is over
-        the idle work runs (:meth:`after_turn`: the snapshot, the prefix store). The store's
-        notes go to ``notes`` after the admission, after the reply (also when it fails) and
-        after the idle work. ``started()`` runs once the message is admitted, as the reply begins.
+        the idle work runs (:meth:`after_turn`: the snapshot, the prefix store). A reply that
+        raises part-way still ends with a TurnDone, its ``error`` set, before the exception goes
+        on to the caller. The store's notes go to ``notes`` after the admission, after the reply
+        (also when it fails) and after the idle work. ``started()`` runs once the message is
+        admitted, as the reply begins.
         """
         match request:
             case Send(text):
@@ -198,17 +201,32 @@ class PersistentChat(SnapshotResume):
                 raise ValueError(f"{request!r} is not a turn")
         if started is not None:
             started()
-        done = None
+        done, shown, stats = None, "", None
         try:
             for ev in events:
                 if isinstance(ev, TurnDone):
                     done = ev
+                elif isinstance(ev, TokenEvent):
+                    shown += ev.text
+                stats = getattr(ev, "stats", stats)
                 emit(ev)
+        except Exception as e:
+            if done is None:  # the reply failed part-way: the turn still ends, marked failed
+                emit(self._failed_turn(e, shown, stats))
+            raise
         finally:
             notes(self.take_notes())
         self.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
         notes(self.take_notes())
         return TurnResult(done)
+
+    def _failed_turn(self, error: Exception, shown: str, stats: TurnStats | None) -> TurnDone:
+        """The TurnDone of a reply that raised part-way: ``shown``, the text streamed before it
+        (``_record`` has kept it, marked interrupted, and saved it), the statistics so far."""
+        stats = stats if stats is not None else TurnStats()
+        stats.finish = "error"
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return TurnDone(shown, stats, conversation_id=self.conversation_id, error=line)
 
     def send(self, text: str) -> Iterator:
         """Add a user message and stream the reply (the session's events), saving both."""

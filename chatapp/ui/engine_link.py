@@ -282,6 +282,9 @@ class EngineClient:
 
     @handles(TurnDone)
     async def _turn_done(self, ev: TurnDone) -> None:
+        if ev.error:
+            await self._turn_failed(ev)
+            return
         stats = self._fz(ev.stats)
         widget = self.reply
         async with self._stream_lock:
@@ -315,12 +318,32 @@ class EngineClient:
         self.update_status()
         self.update_panel()
 
+    async def _turn_failed(self, ev: TurnDone) -> None:
+        """The reply failed part-way (the Failed event that follows says why): the streaming ends,
+        the reply is marked failed, and what was shown of it, which the conversation keeps as an
+        interrupted reply, joins the mirror; no statistics are recorded for it."""
+        await self.flush_stream()
+        widget = self.reply
+        if widget is not None:
+            widget.fail(ev.error)
+        self.reply = None
+        self.live_stats = None
+        self.phase = ""
+        if ev.conversation_id is not None:  # a first turn saved a new conversation
+            self.conversation_id = ev.conversation_id
+        if ev.text:
+            if widget is not None:
+                widget.conv_index = len(self.entries)
+            self.entries.append(Entry("assistant", ev.text, widget))
+        self.update_status()
+
     @handles(Idle)
     async def _idle(self, _ev: Idle) -> None:
         request = self.bridge.idle()
         match request:
             case Send() | Regenerate() | EditLast() if self.reply is not None:
-                # The request ended without a TurnDone: it failed (the Failed event said why).
+                # The request ended without a TurnDone: it failed before its reply began (the
+                # Failed event said why).
                 await self.flush_stream()
                 self.reply.fail("")
                 self.reply = None
