@@ -21,8 +21,6 @@ The defaults live twice, in the dataclasses below (``[cache]``'s made from the k
 from __future__ import annotations
 
 import difflib
-import json
-import math
 import os
 import sys
 from dataclasses import dataclass, field, fields, make_dataclass
@@ -37,6 +35,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 import platformdirs
 
 from cache.settings import CROSS_RULES, KNOBS, Knob
+
+from .config_rules import Bool, Choice, Float, Int, Invalid, Rule, Seed, Str, fmt_value, one_line, setting
 
 __all__ = [
     "APP_NAME",
@@ -111,194 +111,11 @@ class ConfigError(Exception):
         if key:
             parts.append(key)
         parts.append(reason)
-        self.message = _one_line(": ".join(parts))
+        self.message = one_line(": ".join(parts))
         super().__init__(self.message)
 
     def __str__(self) -> str:
         return self.message
-
-
-class _Invalid(Exception):
-    """Raised by a rule; carries the reason only (file and key are added later)."""
-
-
-def _one_line(text: str) -> str:
-    """Replace line breaks (of any kind) with spaces; other whitespace is kept."""
-    return " ".join(text.splitlines()) if text else text
-
-
-def _fmt_value(value: Any) -> str:
-    """A value as it would be written in TOML, kept short and on one line."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = json.dumps(value, ensure_ascii=False)
-    elif isinstance(value, (int, float)):
-        text = repr(value)
-    else:
-        text = repr(value)
-    text = _one_line(text)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _num(x: float) -> str:
-    return f"{x:g}"
-
-
-# --------------------------------------------------------------------------- rules
-
-
-class _Rule:
-    """How one setting is checked (and parsed from command-line text)."""
-
-    description = ""
-    bounds = ""  # the range alone (">= 0", "> 0 and <= 1"), for messages that name the type elsewhere
-
-    def check(self, value: Any) -> Any:
-        """Return the normalised value or raise :class:`_Invalid`."""
-        raise NotImplementedError
-
-    def parse_text(self, text: str) -> Any:
-        """Turn command-line text into a value of the right type (best effort)."""
-        return text
-
-    def fail(self, value: Any) -> _Invalid:
-        return _Invalid(f"{self.description} (got {_fmt_value(value)})")
-
-
-class _Str(_Rule):
-    def __init__(self, nonempty: bool = False) -> None:
-        self.nonempty = nonempty
-        self.description = "must be a non-empty string" if nonempty else "must be a string"
-
-    def check(self, value: Any) -> str:
-        if not isinstance(value, str) or (self.nonempty and not value.strip()):
-            raise self.fail(value)
-        return value
-
-
-class _Bool(_Rule):
-    description = "must be true or false"
-    _TEXT = {"true": True, "yes": True, "on": True, "1": True,
-             "false": False, "no": False, "off": False, "0": False}
-
-    def check(self, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise self.fail(value)
-        return value
-
-    def parse_text(self, text: str) -> Any:
-        return self._TEXT.get(text.strip().lower(), text)
-
-
-def _parse_int_text(text: str) -> Any:
-    try:
-        return int(text.strip())
-    except ValueError:
-        return text
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _Int(_Rule):
-    def __init__(self, minimum: int | None = None, multiple_of: int | None = None) -> None:
-        self.minimum = minimum
-        self.multiple_of = multiple_of
-        if multiple_of is not None:
-            self.description = f"must be a positive integer multiple of {multiple_of}"
-        elif minimum is not None:
-            self.bounds = f">= {minimum}"
-            self.description = f"must be an integer {self.bounds}"
-        else:
-            self.description = "must be an integer"
-
-    def check(self, value: Any) -> int:
-        if not _is_int(value):
-            raise self.fail(value)
-        if self.minimum is not None and value < self.minimum:
-            raise self.fail(value)
-        if self.multiple_of is not None and (value <= 0 or value % self.multiple_of):
-            raise self.fail(value)
-        return value
-
-    def parse_text(self, text: str) -> Any:
-        return _parse_int_text(text)
-
-
-class _Float(_Rule):
-    """A finite number within bounds; integers are accepted and made floats."""
-
-    def __init__(self, lo: float | None = None, hi: float | None = None,
-                 lo_open: bool = False, hi_open: bool = False) -> None:
-        self.lo, self.hi, self.lo_open, self.hi_open = lo, hi, lo_open, hi_open
-        bounds = []
-        if lo is not None:
-            bounds.append(f"{'>' if lo_open else '>='} {_num(lo)}")
-        if hi is not None:
-            bounds.append(f"{'<' if hi_open else '<='} {_num(hi)}")
-        self.bounds = " and ".join(bounds)
-        self.description = "must be a number" + (" " + self.bounds if bounds else "")
-
-    def check(self, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(value)
-        x = float(value)
-        if not math.isfinite(x):
-            raise self.fail(value)
-        if self.lo is not None and (x <= self.lo if self.lo_open else x < self.lo):
-            raise self.fail(value)
-        if self.hi is not None and (x >= self.hi if self.hi_open else x > self.hi):
-            raise self.fail(value)
-        return x
-
-    def parse_text(self, text: str) -> Any:
-        try:
-            return float(text.strip())
-        except ValueError:
-            return text
-
-
-class _Choice(_Rule):
-    def __init__(self, *choices: str | int) -> None:
-        self.choices = choices
-        self.description = "must be one of " + ", ".join(_fmt_value(c) for c in choices)
-
-    def check(self, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (str, int)):
-            raise self.fail(value)
-        if type(value) is not type(self.choices[0]) or value not in self.choices:
-            raise self.fail(value)
-        return value
-
-    def parse_text(self, text: str) -> Any:
-        if isinstance(self.choices[0], int):
-            return _parse_int_text(text)
-        return text
-
-
-class _Seed(_Rule):
-    """An integer seed; -1 (or None) means a random seed and is stored as None."""
-
-    description = "must be an integer >= 0, or -1 for a random seed"
-    bounds = ">= 0, or -1 for a random seed"
-
-    def check(self, value: Any) -> int | None:
-        if value is None or (_is_int(value) and value == -1):
-            return None
-        if not _is_int(value) or value < 0:
-            raise self.fail(value)
-        return value
-
-    def parse_text(self, text: str) -> Any:
-        if text.strip().lower() in ("random", "none"):
-            return None
-        return _parse_int_text(text)
-
-
-def _setting(default: Any, rule: _Rule) -> Any:
-    return field(default=default, metadata={"rule": rule})
 
 
 # --------------------------------------------------------------------------- sections
@@ -309,24 +126,24 @@ class ModelConfig:
     """``[model]``: which model to load and how."""
 
     # the default model (DEFAULT_MODEL in chatapp/model/default_model.py): SmolLM2, fetched on first use
-    id: str = _setting("SmolLM2-135M-Instruct", _Str(nonempty=True))
-    dtype: str = _setting("auto", _Choice("auto", "float32", "float16", "bfloat16"))
-    trust_remote_code: bool = _setting(False, _Bool())
+    id: str = setting("SmolLM2-135M-Instruct", Str(nonempty=True))
+    dtype: str = setting("auto", Choice("auto", "float32", "float16", "bfloat16"))
+    trust_remote_code: bool = setting(False, Bool())
 
 
-def _knob_rule(knob: Knob) -> _Rule:
+def _knob_rule(knob: Knob) -> Rule:
     """The config rule of a cache knob, from its declaration (cache/settings.py)."""
     if knob.choices:
-        return _Choice(*knob.choices)
+        return Choice(*knob.choices)
     if knob.type is str:
-        return _Str()
-    return _Int(minimum=knob.minimum, multiple_of=knob.multiple)
+        return Str()
+    return Int(minimum=knob.minimum, multiple_of=knob.multiple)
 
 
 # ``[cache]``: the key/value cache strategy and its sizes (in tokens), a setting per knob of
 # cache.settings.KNOBS (made, not written: a knob added there is a setting here).
 CacheConfig = make_dataclass(
-    "CacheConfig", [(k.name, k.type, _setting(k.default, _knob_rule(k))) for k in KNOBS],
+    "CacheConfig", [(k.name, k.type, setting(k.default, _knob_rule(k))) for k in KNOBS],
     namespace={"__module__": __name__, "__doc__": "``[cache]``: the key/value cache strategy and its sizes."},
 )
 
@@ -335,70 +152,70 @@ CacheConfig = make_dataclass(
 class SamplingConfig:
     """``[sampling]``: how the next token is chosen. ``seed`` None = random."""
 
-    temp: float = _setting(0.7, _Float(lo=0.0))
-    top_p: float = _setting(0.95, _Float(lo=0.0, hi=1.0, lo_open=True))
-    top_k: int = _setting(0, _Int(minimum=0))
-    min_p: float = _setting(0.0, _Float(lo=0.0, hi=1.0, hi_open=True))
-    seed: int | None = _setting(None, _Seed())
-    max_tokens: int = _setting(512, _Int(minimum=1))
-    repetition_penalty: float = _setting(1.0, _Float(lo=1.0))
-    ignore_eos: bool = _setting(False, _Bool())
+    temp: float = setting(0.7, Float(lo=0.0))
+    top_p: float = setting(0.95, Float(lo=0.0, hi=1.0, lo_open=True))
+    top_k: int = setting(0, Int(minimum=0))
+    min_p: float = setting(0.0, Float(lo=0.0, hi=1.0, hi_open=True))
+    seed: int | None = setting(None, Seed())
+    max_tokens: int = setting(512, Int(minimum=1))
+    repetition_penalty: float = setting(1.0, Float(lo=1.0))
+    ignore_eos: bool = setting(False, Bool())
 
 
 @dataclass
 class ChatConfig:
     """``[chat]``: the conversation itself."""
 
-    system: str = _setting("", _Str())
-    raw: bool = _setting(False, _Bool())
-    format: str = _setting("auto", _Choice(*CHAT_FORMATS))
-    template: str = _setting("", _Str())
+    system: str = setting("", Str())
+    raw: bool = setting(False, Bool())
+    format: str = setting("auto", Choice(*CHAT_FORMATS))
+    template: str = setting("", Str())
 
 
 @dataclass
 class CpuConfig:
     """``[cpu]``: CPU-only speed-ups."""
 
-    blas: str = _setting("auto", _Str(nonempty=True))
-    kernels: str = _setting("auto", _Choice(*KERNEL_MODES))
-    threads: int = _setting(0, _Int(minimum=0))
-    kernel_max_tokens: int = _setting(4, _Int(minimum=1))
-    dense_weights: str = _setting("auto", _Choice(*DENSE_WEIGHT_MODES))
-    dense_budget_fraction: float = _setting(0.25, _Float(lo=0.0, hi=1.0))
-    dense_prefill_threshold: int = _setting(16, _Int(minimum=1))
-    fast_attention: bool = _setting(True, _Bool())
-    numpy_matvec: bool = _setting(True, _Bool())
-    fused_decode: bool = _setting(True, _Bool())
-    numerics: str = _setting("auto", _Choice(*NUMERICS))
-    kv_dtype: str = _setting("auto", _Choice(*KV_DTYPES))
+    blas: str = setting("auto", Str(nonempty=True))
+    kernels: str = setting("auto", Choice(*KERNEL_MODES))
+    threads: int = setting(0, Int(minimum=0))
+    kernel_max_tokens: int = setting(4, Int(minimum=1))
+    dense_weights: str = setting("auto", Choice(*DENSE_WEIGHT_MODES))
+    dense_budget_fraction: float = setting(0.25, Float(lo=0.0, hi=1.0))
+    dense_prefill_threshold: int = setting(16, Int(minimum=1))
+    fast_attention: bool = setting(True, Bool())
+    numpy_matvec: bool = setting(True, Bool())
+    fused_decode: bool = setting(True, Bool())
+    numerics: str = setting("auto", Choice(*NUMERICS))
+    kv_dtype: str = setting("auto", Choice(*KV_DTYPES))
     # off: a first start with the prefill kernel compiled in a child answered wrongly (issue 37)
-    precompile: bool = _setting(False, _Bool())
+    precompile: bool = setting(False, Bool())
 
 
 @dataclass
 class UiConfig:
     """``[ui]``: the terminal interface."""
 
-    theme: str = _setting("textual-dark", _Str(nonempty=True))
-    render_interval_ms: int = _setting(50, _Int(minimum=10))
-    show_panel: bool = _setting(False, _Bool())
+    theme: str = setting("textual-dark", Str(nonempty=True))
+    render_interval_ms: int = setting(50, Int(minimum=10))
+    show_panel: bool = setting(False, Bool())
 
 
 @dataclass
 class DataConfig:
     """``[data]``: where conversations and snapshots are kept."""
 
-    dir: str = _setting("", _Str())
-    snapshot_cap_mb: int = _setting(2048, _Int(minimum=0))
-    prefix_cap_mb: int = _setting(2048, _Int(minimum=0))
+    dir: str = setting("", Str())
+    snapshot_cap_mb: int = setting(2048, Int(minimum=0))
+    prefix_cap_mb: int = setting(2048, Int(minimum=0))
 
 
 @dataclass
 class MemoryConfig:
     """``[memory]``: MLX's allocator limits (0 / -1 keep MLX's own defaults)."""
 
-    limit_mb: int = _setting(0, _Int(minimum=0))
-    cache_limit_mb: int = _setting(-1, _Int(minimum=-1))
+    limit_mb: int = setting(0, Int(minimum=0))
+    cache_limit_mb: int = setting(-1, Int(minimum=-1))
 
 
 #: Section name -> section dataclass, in file order.
@@ -413,7 +230,7 @@ SECTIONS: dict[str, type] = {
     "memory": MemoryConfig,
 }
 
-_RULES: dict[str, _Rule] = {
+_RULES: dict[str, Rule] = {
     f"{section}.{f.name}": f.metadata["rule"]
     for section, cls in SECTIONS.items()
     for f in fields(cls)
@@ -425,7 +242,7 @@ def valid_setting(dotted: str, value: Any) -> bool:
     each rule is written, also used by the stdin ``/set`` command."""
     try:
         _RULES[dotted].check(value)
-    except _Invalid:
+    except Invalid:
         return False
     return True
 
@@ -489,7 +306,7 @@ class Config:
 
     def describe_text(self) -> str:
         """:meth:`describe` as aligned text lines, ``key = value  # source``."""
-        rows = [(k, "random" if v is None else _fmt_value(v), s) for k, v, s in self.describe()]
+        rows = [(k, "random" if v is None else fmt_value(v), s) for k, v, s in self.describe()]
         kw = max(len(k) for k, _, _ in rows)
         vw = max(len(v) for _, v, _ in rows)
         return "\n".join(f"{k:<{kw}} = {v:<{vw}}  # {s}" for k, v, s in rows)
@@ -576,7 +393,7 @@ def _flatten(data: Mapping[str, Any], label: str) -> dict[str, Any]:
             raise ConfigError(label, section, _unknown_key(section))
         if not isinstance(table, dict):
             raise ConfigError(label, section,
-                              f"must be a table ([{section}]) (got {_fmt_value(table)})")
+                              f"must be a table ([{section}]) (got {fmt_value(table)})")
         for name, value in table.items():
             dotted = f"{section}.{name}"
             out[dotted] = _check(dotted, value, label)
@@ -591,7 +408,7 @@ def _check(dotted: str, value: Any, label: str, from_text: bool = False) -> Any:
         value = rule.parse_text(value)
     try:
         return rule.check(value)
-    except _Invalid as exc:
+    except Invalid as exc:
         raise ConfigError(label, dotted, str(exc)) from None
 
 

@@ -35,6 +35,19 @@ class GenerationSettings:
         return []
 
 
+def reply_end_ids(tokenizer, format_stop_ids: set[int]) -> set[int]:
+    """The tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
+    (``format_stop_ids``: <|im_end|> for chatml), and a BOS in the middle of a reply, which starts
+    a new document (TinyStories models separate stories with it) rather than being shown as "<s>"."""
+    ids = set(getattr(tokenizer, "eos_token_ids", None) or []) | set(format_stop_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and bos not in (getattr(tokenizer, "pad_token_id", None),):
+        ids.add(bos)
+    return ids
+
+
 class TokenPicker:
     """The next token from a position's logits [1, vocab], as the generation settings say: end
     tokens banned under ignore_eos (as llama.cpp's --ignore-eos does, rather than generating and

@@ -2,7 +2,8 @@
 
 Each turn renders the whole conversation, compares the token ids with those the cache
 already represents, trims the cache back to the common prefix and prefills only the rest. So a
-new turn costs its new tokens, and regenerate / edit-last-message cost only what changed.
+new turn costs its new tokens, and regenerate / edit-last-message cost only what changed (the rule
+is engine/reuse.py).
 
 Everything here runs on one thread (MLX streams belong to threads); ``cancel()`` is the one
 method meant to be called from another thread.
@@ -25,7 +26,7 @@ from cache import (
     model_geometry,
     reserve_tokens,
 )
-from cache.layers import is_ours, primary, trim_reason, uniform
+from cache.layers import is_ours, uniform
 from cache.settings import AUTO, AUTO_STARTS_AS, DIALOG_KNOBS, knob_values, starting_mode
 from chatapp.backend.fused_decode import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
@@ -35,9 +36,10 @@ from chatapp.prompt.render_match import render_as_generated
 
 from .cache_view import session_view
 from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
-from .generate import GenerationSettings, StopMatcher, TokenPicker, decode_tokens
+from .generate import GenerationSettings, StopMatcher, TokenPicker, decode_tokens, reply_end_ids
 from .memory import read_gauges
 from .prefix import PrefixSource, warm_start
+from .reuse import trim_to_prompt
 from .route import decode_route
 from .stats import CacheView, StepStat, TurnStats
 
@@ -101,18 +103,8 @@ class Session:
         self.restored = 0  # leading cached tokens a restore (prefix store, snapshot) put in (cache_map)
         self.prefix_source: PrefixSource | None = None  # the prefix store, when one is attached
         self.gauges = gauges  # read MLX's memory gauges during turns (benchmarks turn it off to price them)
-        # Tokens that end a reply: the tokenizer's EOS, the prompt format's end of turn
-        # (<|im_end|> for chatml), and a BOS in the middle of a reply (below).
-        self.eos_ids = set(getattr(tokenizer, "eos_token_ids", None) or []) | self.format.stop_token_ids
-        if getattr(tokenizer, "eos_token_id", None) is not None:
-            self.eos_ids.add(tokenizer.eos_token_id)
-        # A BOS in the middle of a reply starts a new document (TinyStories models separate
-        # stories with it): it ends the reply rather than being shown as "<s>".
-        bos = getattr(tokenizer, "bos_token_id", None)
-        if bos is not None and bos not in (getattr(tokenizer, "pad_token_id", None),):
-            self.eos_ids.add(bos)
-        if eos_ids is not None:
-            self.eos_ids = set(eos_ids)
+        # Tokens that end a reply (generate.reply_end_ids), unless the caller names them.
+        self.eos_ids = set(eos_ids) if eos_ids is not None else reply_end_ids(tokenizer, self.format.stop_token_ids)
 
     # ---- settings and modes -------------------------------------------------------------------
     @property
@@ -387,40 +379,18 @@ class Session:
             mx.clear_cache()  # the old buffers: no cache of this size will take them again soon
 
     def _reuse(self, prompt: list[int]) -> int:
-        """Trim the caches back to the longest prefix they share with ``prompt``; return its length."""
-        common = common_prefix(self.cached, prompt)
-        if common == len(prompt):
-            common -= 1  # the last prompt token must run again to give the next token's logits
-        first = primary(self.caches)
-        evicted = getattr(first, "evicted", 0)
+        """Trim the caches back to the longest prefix they share with ``prompt`` (engine/reuse.py);
+        return its length (0: they start over, and ``reprefill_reason`` may say why)."""
         sinks = self.settings.sinks if self.settings.evicts else 0
-        # Tokens before this conversation index may have been evicted: the window modes evict
-        # the oldest non-sinks; the scored mode anywhere before its contiguous tail.
-        tail = getattr(first, "contiguous_tail", None)
-        floor = sinks + evicted if tail is None else len(self.cached) - tail
-        if evicted and common < floor:
-            # The divergence lies in history the window already dropped: start over.
+        reuse = trim_to_prompt(self.caches, self.cached, prompt, sinks)
+        if reuse.restart:
+            self.reprefill_reason = reuse.reason
             self._reset_caches()
             return 0
-        drop = len(self.cached) - common
-        if drop:
-            why = trim_reason(self.caches)
-            if why:
-                # mlx-lm's own layers that cannot drop their last tokens (recurrent state, a
-                # wrapped sliding window): the conversation runs again from the start
-                self.reprefill_reason = (f"re-prefilled the conversation: the last {drop} cached tokens changed and "
-                                         f"this model's {why}")
-                self._reset_caches()
-                return 0
-            short = [c for c in self.caches if c.trim(drop) != drop and not is_ours(c)]
-            if short:
-                self.reprefill_reason = (f"re-prefilled the conversation: {type(short[0]).__name__} layers could not "
-                                         f"drop the last {drop} cached tokens")
-                self._reset_caches()
-                return 0
-            del self.cached[common:]
-            self.restored = min(self.restored, common)
-        return common
+        if len(self.cached) > reuse.tokens:
+            del self.cached[reuse.tokens:]
+            self.restored = min(self.restored, reuse.tokens)
+        return reuse.tokens
 
     def prefill(self, tokens: list[int]) -> mx.array | None:
         """Run ``tokens`` into the caches after what they hold (in the mode's chunks, untimed, no
