@@ -152,8 +152,9 @@ def test_every_engine_event_has_one_handler_behind_the_one_dispatcher():
 
 
 def test_the_engine_client_is_a_part_of_the_app_not_a_base_class():
-    """ChatApp holds its engine client (``app.engine``) rather than inheriting it, and the client
-    reaches the app only through its public face (EngineHost): no private name of the app."""
+    """ChatApp holds its engine client (``app.engine``) and the transcript mirror (``app.transcript``)
+    rather than inheriting them, and the client reaches the app only through its public face
+    (EngineHost): no private name of the app."""
     import inspect
     import re
 
@@ -167,7 +168,8 @@ def test_the_engine_client_is_a_part_of_the_app_not_a_base_class():
     used = set(re.findall(r"\bself\.host\.(\w+)", source))
     assert used <= host_names, used - host_names
     assert not re.search(r"\bengine\._", inspect.getsource(ChatApp)), "the app reads a private name of the client"
-    assert "self.engine = EngineClient(self" in inspect.getsource(ChatApp.__init__)
+    assert "self.engine = EngineClient(self, config, self.transcript" in inspect.getsource(ChatApp.__init__)
+    assert "self.transcript = Transcript(" in inspect.getsource(ChatApp.__init__)  # the mirror, a part too
 
 
 @async_test

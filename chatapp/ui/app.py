@@ -5,9 +5,10 @@ Threading: every model operation runs on the engine worker's thread
 which takes the typed requests of :mod:`chatapp.engine.requests`. Its events arrive here, in
 order, on the UI thread, one Textual message per kind (:mod:`chatapp.ui.messages`); the app's one
 ``@on(EngineMessage)`` dispatcher hands each to its part :class:`~chatapp.ui.engine_link.EngineClient`
-(``self.engine``: the bridge, the transcript mirror, the streaming reply and the status bar). The
-comforts are a second part (``self.comforts``, ui/comforts.py). This module holds the layout, the
-input, the actions and the command palette, and wires the two parts.
+(``self.engine``: the bridge, the streaming reply, the status bar and the side panel). The
+messages on screen are the transcript mirror's (``self.transcript``, ui/transcript.py) and the
+comforts a third part (``self.comforts``, ui/comforts.py). This module holds the layout, the
+input, the actions and the command palette, and wires the parts.
 
 While a reply streams, messages are queued: Enter shows the message marked "queued" and it is
 sent when the engine is free; Esc stops the reply and puts queued messages back into the input
@@ -42,18 +43,19 @@ from .engine_link import INPUT_TITLE, EngineClient
 from .format import MODES, next_mode
 from .messages import EngineMessage
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
+from .transcript import Transcript
 from .widgets import ChatInput, ChatView, SidePanel, StatusBar, UserMessage
 
 T = TypeVar("T")
 
 
-class OnEngine(Generic[T]):
-    """An attribute of the app that is its engine client's (``app.engine``): read, and set, there.
-    The app's public face for the comforts' host (``ComfortHost``), ``run_tui`` and tests; the app
-    itself uses ``self.engine`` directly."""
+class OfPart(Generic[T]):
+    """An attribute of the app that is one of its parts' (``app.engine``, ``app.transcript``):
+    read, and set, there. The app's public face for the comforts' host (``ComfortHost``),
+    ``run_tui`` and tests; the app itself uses its parts directly."""
 
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name
+    def __init__(self, part: str, name: str | None = None) -> None:
+        self.part, self.name = part, name
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = self.name or name
@@ -61,10 +63,10 @@ class OnEngine(Generic[T]):
     def __get__(self, app: Any, owner: type | None = None) -> T:
         if app is None:
             return self  # type: ignore[return-value]
-        return getattr(app.engine, self.name)
+        return getattr(getattr(app, self.part), self.name)
 
     def __set__(self, app: Any, value: T) -> None:
-        setattr(app.engine, self.name, value)
+        setattr(getattr(app, self.part), self.name, value)
 
 
 class ChatApp(App[int]):
@@ -91,33 +93,33 @@ class ChatApp(App[int]):
         *COMFORT_BINDINGS,  # copy, export, system prompt, switch model (ui/comforts.py)
     ]
 
-    # The engine client's state, read through the app (OnEngine): what the comforts' host face and
-    # tests read. The state itself is the client's.
-    bridge = OnEngine()
-    entries = OnEngine()
-    queued = OnEngine()
-    editing = OnEngine()
-    loaded = OnEngine()
-    load_error = OnEngine()
-    failures = OnEngine()
-    model_id = OnEngine()
-    info = OnEngine()
-    mode = OnEngine()
-    requested_mode = OnEngine()
-    cache_view = OnEngine()
-    memory = OnEngine()
-    live_stats = OnEngine()
-    last_stats = OnEngine()
-    history = OnEngine()
-    conv_steps = OnEngine()
-    conv_memory = OnEngine()
-    store_notes = OnEngine()
-    event_log = OnEngine()
-    status_rate = OnEngine()
-    conversation_id = OnEngine()
-    conversation_title = OnEngine()
-    resume_line = OnEngine()
-    _reply = OnEngine("reply")
+    # The parts' state, read through the app (OfPart): what the comforts' host face and tests
+    # read. The state itself is the parts'.
+    bridge = OfPart("engine")
+    entries = OfPart("transcript")
+    queued = OfPart("transcript")
+    editing = OfPart("engine")
+    loaded = OfPart("engine")
+    load_error = OfPart("engine")
+    failures = OfPart("engine")
+    model_id = OfPart("engine")
+    info = OfPart("engine")
+    mode = OfPart("engine")
+    requested_mode = OfPart("engine")
+    cache_view = OfPart("engine")
+    memory = OfPart("engine")
+    live_stats = OfPart("engine")
+    last_stats = OfPart("engine")
+    history = OfPart("engine")
+    conv_steps = OfPart("engine")
+    conv_memory = OfPart("engine")
+    store_notes = OfPart("engine")
+    event_log = OfPart("engine")
+    status_rate = OfPart("engine")
+    conversation_id = OfPart("engine")
+    conversation_title = OfPart("engine")
+    resume_line = OfPart("engine")
+    _reply = OfPart("engine", "reply")
 
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
                  resume: int | str | None = None, save: bool = True) -> None:
@@ -125,9 +127,11 @@ class ChatApp(App[int]):
         self.config = config
         self.blas = blas
         self.freeze_stats = freeze_stats
-        # the engine's messages, the transcript mirror, the streaming reply, the status bar (ui/engine_link.py)
-        self.engine = EngineClient(self, config, blas=blas, verbose=verbose, freeze_stats=freeze_stats,
-                                   resume=resume, save=save)
+        # the messages on screen, mirrored: the conversation's, the queue, the cache markers (ui/transcript.py)
+        self.transcript = Transcript(lambda: self.query_one(ChatView))
+        # the engine's messages, the streaming reply, the status bar and the side panel (ui/engine_link.py)
+        self.engine = EngineClient(self, config, self.transcript, blas=blas, verbose=verbose,
+                                   freeze_stats=freeze_stats, resume=resume, save=save)
         # copy, export, themes, system prompt, model switch: a part with its own state (ui/comforts.py)
         self.comforts = Comforts(self, self.engine.bridge.data_dir)
 
@@ -152,7 +156,7 @@ class ChatApp(App[int]):
         self.engine.show_session(info)
 
     async def show_system_prompt(self, text: str) -> None:
-        await self.engine.show_system_prompt(text)
+        await self.transcript.show_system_prompt(text)
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -251,7 +255,7 @@ class ChatApp(App[int]):
                 self.notify("the model could not be loaded", severity="error", markup=False)
                 return
             message.chat_input.clear()
-            await self.engine.queue(text)  # sent once the model is loaded
+            await self.transcript.queue(text)  # sent once the model is loaded
             return
         if self.engine.editing:
             if self.refuse_busy("not resent"):
@@ -260,16 +264,16 @@ class ChatApp(App[int]):
             await self._resend_edited(text)
             return
         message.chat_input.clear()
-        if self.engine.bridge.busy or self.engine.queued:
-            await self.engine.queue(text)
+        if self.engine.bridge.busy or self.transcript.queued:
+            await self.transcript.queue(text)
         else:
             await self.send(text)
 
     async def _unqueue(self) -> None:
         """Esc: queued messages go back into the input box instead of being sent."""
-        if not self.engine.queued:
+        if not self.transcript.queued:
             return
-        texts = await self.engine.take_queued()
+        texts = await self.transcript.take_queued()
         box = self.query_one(ChatInput)
         box.text = "\n\n".join(texts + ([box.text] if box.text.strip() else []))
         box.move_cursor(box.document.end)
@@ -277,15 +281,15 @@ class ChatApp(App[int]):
 
     async def send(self, text: str) -> None:
         """Send ``text`` as the user's next message (what Enter does)."""
-        await self.engine.add_message(UserMessage(text), "user")
+        await self.transcript.add_message(UserMessage(text), "user")
         await self.engine.start_reply(Send(text))
 
     async def _resend_edited(self, text: str) -> None:
         self.engine.editing = False
-        i = self.engine.last_user()
+        i = self.transcript.last_user()
         if i is None:
             return
-        entry = self.engine.entries[i]
+        entry = self.transcript.entries[i]
         chat = self.query_one(ChatView)
         if entry.widget is not None and entry.widget.parent is chat:
             later = chat.children[chat.children.index(entry.widget) + 1:]
@@ -294,11 +298,11 @@ class ChatApp(App[int]):
             entry.widget.set_tag("edited")
         else:
             entry.widget = UserMessage(text, i)
-            await self.engine.mount_message(entry.widget)
-        for e in self.engine.entries[i + 1:]:
+            await self.transcript.mount_message(entry.widget)
+        for e in self.transcript.entries[i + 1:]:
             if e.widget is not None and e.widget.is_attached:
                 await e.widget.remove()
-        del self.engine.entries[i + 1:]
+        del self.transcript.entries[i + 1:]
         entry.text = text
         await self.engine.start_reply(EditLast(text))
 
@@ -307,7 +311,7 @@ class ChatApp(App[int]):
         if self.engine.reply is not None:
             self.engine.bridge.cancel()
             await self._unqueue()
-        elif self.engine.queued:
+        elif self.transcript.queued:
             await self._unqueue()
         elif self.engine.editing:
             self.engine.editing = False
@@ -325,11 +329,11 @@ class ChatApp(App[int]):
     async def action_regenerate(self) -> None:
         if self.refuse_busy("regenerate"):
             return
-        if self.engine.last_user() is None:
+        if self.transcript.last_user() is None:
             self.notify("nothing to regenerate yet", markup=False)
             return
-        if self.engine.entries[-1].role == "assistant":
-            entry = self.engine.entries.pop()
+        if self.transcript.entries[-1].role == "assistant":
+            entry = self.transcript.entries.pop()
             if entry.widget is not None and entry.widget.is_attached:
                 await entry.widget.remove()
         await self.engine.start_reply(Regenerate())
@@ -337,25 +341,25 @@ class ChatApp(App[int]):
     def action_edit_last(self) -> None:
         if self.refuse_busy("edit"):
             return
-        i = self.engine.last_user()
+        i = self.transcript.last_user()
         if i is None:
             self.notify("there is no message to edit yet", markup=False)
             return
         chat_input = self.query_one(ChatInput)
         self.engine.editing = True
-        chat_input.text = self.engine.entries[i].text
+        chat_input.text = self.transcript.entries[i].text
         chat_input.move_cursor(chat_input.document.end)
         chat_input.focus()
         self.engine.update_input_state()
 
     async def action_clear(self) -> None:
         await self.query_one(ChatView).remove_children()
-        for entry in self.engine.entries:
+        for entry in self.transcript.entries:
             entry.widget = None
         if self.engine.reply is not None:  # keep the streaming reply and the queue on screen
-            await self.engine.mount_message(self.engine.reply)
-        for widget in self.engine.queued:
-            await self.engine.mount_message(widget)
+            await self.transcript.mount_message(self.engine.reply)
+        for widget in self.transcript.queued:
+            await self.transcript.mount_message(widget)
         self.notify("screen cleared; the model still has the conversation (Ctrl+N starts over)",
                     markup=False, timeout=3)
 
@@ -411,7 +415,7 @@ class ChatApp(App[int]):
     def action_compare(self) -> None:
         if self.refuse_busy("compare"):
             return
-        if self.engine.last_user() is None:
+        if self.transcript.last_user() is None:
             self.notify("send a message first: compare replays the last turn", markup=False)
             return
         self.engine.compare_rows = []

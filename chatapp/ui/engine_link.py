@@ -1,5 +1,5 @@
 """The app's part that follows the engine (``ChatApp.engine``, an :class:`EngineClient`): its
-messages, the streaming reply, the transcript mirror, the status bar and the side panel.
+messages, the streaming reply, the status bar and the side panel.
 
 The client owns its state (created by its own ``__init__``) and reaches the app only through
 :class:`EngineHost`, the app's public face it needs (notifications, screens, widgets, the config
@@ -11,14 +11,14 @@ other way round by private name. Each kind of engine event arrives as its own me
 (``HANDLERS``). The comforts' results go on to their part (``host.comforts``, ui/comforts.py).
 The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
 
-The client keeps a mirror of the session's conversation (``entries``) so that message indexes
-reported by the engine (``CacheView.first_visible_message``) map to transcript widgets.
+The messages on screen are the transcript mirror's (ui/transcript.py, the app's second part, given
+to the client): the engine's message indexes (``CacheView.first_visible_message``) map to its
+``entries``; the client adds the replies and shows what the cache holds of each.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import inspect
 import re
 from collections import deque
@@ -52,14 +52,13 @@ from .bridge import EngineBridge
 from .coalesce import Coalescer
 from .comforts import Comforts
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
-from .markers import CacheNotice, EvictionWatch, apply_markers
 from .messages import EngineMessage
 from .screens import CompareScreen, LoadingScreen, SessionsScreen
+from .transcript import Transcript
 from .widgets import (
     AssistantMessage,
     ChatInput,
     ChatMessage,
-    ChatView,
     Entry,
     SidePanel,
     StatusBar,
@@ -110,12 +109,14 @@ class EngineHost(Protocol):
 
 class EngineClient:
     """The app's part that follows the engine (``ChatApp.engine``). Owns what the engine's events
-    change: the bridge, the session as last described, the transcript mirror, the streaming reply
-    and its statistics, the status bar's rebuilds. ``host`` is the app (:class:`EngineHost`)."""
+    change: the bridge, the session as last described, the streaming reply and its statistics, the
+    status bar's rebuilds; ``transcript`` is the mirror of the messages it adds to. ``host`` is the
+    app (:class:`EngineHost`)."""
 
-    def __init__(self, host: EngineHost, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
-                 resume: int | str | None = None, save: bool = True) -> None:
+    def __init__(self, host: EngineHost, config, transcript: Transcript, *, blas=None, verbose: bool = False,
+                 freeze_stats: bool = False, resume: int | str | None = None, save: bool = True) -> None:
         self.host = host
+        self.transcript = transcript  # the messages on screen, mirrored (ui/transcript.py)
         self.blas = blas
         self.verbose = verbose
         self.freeze_stats = freeze_stats
@@ -133,7 +134,6 @@ class EngineClient:
         self.info: SessionInfo | None = None
         self.mode = starting_mode(config.cache.mode)
         self.requested_mode = config.cache.mode
-        self.entries: list[Entry] = []
         self.last_stats: TurnStats | None = None
         self.live_stats: TurnStats | None = None
         self.cache_view: CacheView | None = None
@@ -147,11 +147,9 @@ class EngineClient:
         self.editing = False
         self.phase = "loading"
         self.reply: AssistantMessage | None = None  # the reply streaming now
-        self.queued: list[UserMessage] = []  # messages sent during a reply, waiting their turn
         self._pending_text = ""
         self._stream_lock: asyncio.Lock | None = None
         self._seen_notices: set[str] = set()
-        self.eviction_watch = EvictionWatch()  # the first-eviction notice, once per conversation
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
         self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
 
@@ -243,15 +241,15 @@ class EngineClient:
             await self._show_transcript(self._pending_transcript)
             self._pending_transcript = None
         elif self.host.config.chat.system:
-            await self.add_message(SystemMessage(self.host.config.chat.system, 0), "system")
+            await self.transcript.add_message(SystemMessage(self.host.config.chat.system, 0), "system")
         for note in ev.notes:
             self.notice(note)
         if self.verbose and self.blas is not None and hasattr(self.blas, "summary"):
             self.host.notify(self.blas.summary(), markup=False)
         self.show_session(ev.info)
-        if self.queued:  # typed while loading: after what the load showed, then sent in turn
-            for text in await self.take_queued():
-                await self.queue(text)
+        if self.transcript.queued:  # typed while loading: after what the load showed, then sent in turn
+            for text in await self.transcript.take_queued():
+                await self.transcript.queue(text)
             if not self.bridge.busy:
                 await self.send_queued()
         self.host.query_one(ChatInput).focus()
@@ -275,8 +273,7 @@ class EngineClient:
         self.mode = info.mode
         self.requested_mode = info.requested_mode
         self.cache_view = info.cache
-        self._mark_evicted(info.cache)
-        self._cache_markers(info.cache)
+        self.transcript.show_cache(info.cache, info.effective)
         self.update_status()
         self.update_panel()
 
@@ -299,8 +296,8 @@ class EngineClient:
         interrupted = stats.finish == "cancelled"
         if ev.text or not interrupted:
             if widget is not None:
-                widget.conv_index = len(self.entries)
-            self.entries.append(Entry("assistant", ev.text, widget))
+                widget.conv_index = len(self.transcript.entries)
+            self.transcript.entries.append(Entry("assistant", ev.text, widget))
         self.last_stats = stats
         self.cache_view = stats.cache
         self.mode = stats.mode or self.mode
@@ -313,8 +310,7 @@ class EngineClient:
             self.host.notify(stats.prefix_line(), title="prefix store", markup=False, timeout=6)
         for note in stats.notices:
             self.notice(note)
-        self._mark_evicted(stats.cache)
-        self._cache_markers(stats.cache)
+        self.transcript.show_cache(stats.cache, self.info.effective if self.info else {})
         self.update_status()
         self.update_panel()
 
@@ -333,8 +329,8 @@ class EngineClient:
             self.conversation_id = ev.conversation_id
         if ev.text:
             if widget is not None:
-                widget.conv_index = len(self.entries)
-            self.entries.append(Entry("assistant", ev.text, widget))
+                widget.conv_index = len(self.transcript.entries)
+            self.transcript.entries.append(Entry("assistant", ev.text, widget))
         self.update_status()
 
     @handles(Idle)
@@ -352,7 +348,7 @@ class EngineClient:
                 self.compare_screen.finish()
         if not self.bridge.busy:
             self.phase = ""
-            if self.queued:
+            if self.transcript.queued:
                 await self.send_queued()
         self.update_input_state()
         self.update_status()
@@ -371,7 +367,7 @@ class EngineClient:
                 self.loading_screen = LoadingScreen(self.model_id, error=ev.message)
                 self.host.push_screen(self.loading_screen)
             self.host.notify(ev.message, title="could not load the model", severity="error", markup=False,
-                        timeout=30)
+                             timeout=30)
             return
         self.host.notify(ev.message, title="error", severity="error", markup=False, timeout=10)
 
@@ -382,47 +378,21 @@ class EngineClient:
         self._seen_notices.add(key)
         self.host.notify(note, title="note", severity="warning", markup=False, timeout=10)
 
-    async def show_system_prompt(self, text: str) -> None:
-        """The conversation's system prompt is ``text`` now ("" none): the transcript mirror follows."""
-        chat = self.host.query_one(ChatView)
-        first = self.entries[0] if self.entries else None
-        if first is not None and first.role == "system":
-            if text:
-                first.text = text
-                if first.widget is not None:
-                    first.widget.set_text(text)
-            else:
-                self.entries.pop(0)
-                if first.widget is not None and first.widget.is_attached:
-                    await first.widget.remove()
-        elif text:
-            widget = SystemMessage(text, 0)
-            if first is None:
-                await self.add_message(widget, "system")
-            else:
-                self.entries.insert(0, dataclasses.replace(first, role="system", text=text, widget=widget))
-                await chat.mount(widget, before=chat.children[0] if chat.children else None)
-        for i, e in enumerate(self.entries):
-            if e.widget is not None:
-                e.widget.conv_index = i
-
     # ---- saved conversations ----------------------------------------------------------------------
     @handles(ChatNotes)
     def _store_notes(self, ev: ChatNotes) -> None:
         for level, text in ev.notes:
             self.store_notes.append((level, text))
             self.host.notify(text, title="error" if level == "error" else "note",
-                        severity="error" if level == "error" else "warning", markup=False, timeout=10)
+                             severity="error" if level == "error" else "warning", markup=False, timeout=10)
 
     async def _show_transcript(self, ev: TranscriptLoaded) -> None:
         """A saved conversation became the session's: show its messages."""
         self.editing = False
-        await self.host.query_one(ChatView).remove_children()
-        self.entries = []
+        await self.transcript.clear()
         self.conv_steps = []
         self.conv_memory = []
         self.last_stats = None
-        self.eviction_watch.reset()
         for i, (role, content, interrupted) in enumerate(ev.messages):
             cls = {"system": SystemMessage, "user": UserMessage}.get(role, AssistantMessage)
             widget = cls(content, i)
@@ -431,8 +401,8 @@ class EngineClient:
                 if interrupted:
                     widget.tags = ["interrupted"]
                     widget.add_class("interrupted")
-            self.entries.append(Entry(role, content, widget))
-            await self.mount_message(widget)
+            self.transcript.entries.append(Entry(role, content, widget))
+            await self.transcript.mount_message(widget)
         self.conversation_id = ev.conversation_id
         self.conversation_title = ev.title
         self.resume_line = ev.line
@@ -440,7 +410,7 @@ class EngineClient:
         if ev.info is not None:
             self.show_session(ev.info)
         self.host.notify(ev.line, title="resumed from the KV snapshot" if ev.from_snapshot else "resumed: re-prefill",
-                    severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
+                         severity="information" if ev.from_snapshot else "warning", markup=False, timeout=8)
         self.update_input_state()
         self.update_status()
         self.update_panel()
@@ -463,9 +433,7 @@ class EngineClient:
 
     async def clear_conversation(self) -> None:
         self.editing = False
-        self.eviction_watch.reset()
-        await self.host.query_one(ChatView).remove_children()
-        self.entries = []
+        await self.transcript.clear()
         self.conv_steps = []
         self.conv_memory = []
         self.last_stats = None
@@ -473,7 +441,7 @@ class EngineClient:
         self.conversation_title = ""
         self.host.sub_title = ""
         if self.host.config.chat.system:
-            await self.add_message(SystemMessage(self.host.config.chat.system), "system")
+            await self.transcript.add_message(SystemMessage(self.host.config.chat.system), "system")
         self.update_panel()
 
     # ---- streaming ----------------------------------------------------------------------------------
@@ -491,7 +459,7 @@ class EngineClient:
     async def start_reply(self, request: Request, after: ChatMessage | None = None) -> None:
         widget = AssistantMessage()
         widget.tags = ["streaming"]
-        await self.mount_message(widget, after=after)
+        await self.transcript.mount_message(widget, after=after)
         self.reply = widget
         self._pending_text = ""
         self.live_stats = None
@@ -503,47 +471,6 @@ class EngineClient:
         """Hand ``request`` to the engine thread (it is in flight, the app busy, until its Idle)."""
         self.bridge.submit(request)
         self.update_input_state()
-
-    # ---- the transcript mirror --------------------------------------------------------------------------
-    async def mount_message(self, widget: ChatMessage, after: ChatMessage | None = None) -> None:
-        chat = self.host.query_one(ChatView)
-        if after is not None and after.parent is chat:
-            await chat.mount(widget, after=after)
-        else:
-            await chat.mount(widget)
-        if chat.is_anchored and not chat._anchor_released:
-            chat.scroll_end(animate=False)
-
-    async def add_message(self, widget: ChatMessage, role: str) -> Entry:
-        widget.conv_index = len(self.entries)
-        entry = Entry(role, widget.text, widget)
-        self.entries.append(entry)
-        await self.mount_message(widget)
-        return entry
-
-    def last_user(self) -> int | None:
-        for i in range(len(self.entries) - 1, -1, -1):
-            if self.entries[i].role == "user":
-                return i
-        return None
-
-    def _cache_markers(self, cache: CacheView) -> None:
-        """What the KV cache holds of each message (ui/markers.py); the first-eviction notice."""
-        apply_markers(self.entries, cache.messages)
-        line = self.eviction_watch.check(cache.messages, [e.role for e in self.entries], cache,
-                                         self.info.effective if self.info else {})
-        if line:
-            self.host.query_one(ChatView).mount(CacheNotice(line, markup=False))
-
-    def _mark_evicted(self, cache: CacheView) -> None:
-        """Dim the messages before ``first_visible_message`` (the model no longer sees them), all but
-        those the cache map says are still held (a pinned system prompt stays lit)."""
-        rows = {row.index: row for row in cache.messages}
-        for i, entry in enumerate(self.entries):
-            if entry.widget is not None:
-                row = rows.get(i)
-                gone = row is None or row.state in ("evicted", "partly evicted")
-                entry.widget.set_evicted(i < cache.first_visible_message and gone)
 
     # ---- status and panel ---------------------------------------------------------------------------------
     def mode_label(self) -> str:
@@ -607,25 +534,9 @@ class EngineClient:
         chat_input.border_title = (LOADING_TITLE if not self.loaded else EDIT_TITLE if self.editing
                                    else BUSY_TITLE if busy else INPUT_TITLE)
 
-    async def queue(self, text: str) -> None:
-        """Enter during a reply (or a load): show the message as queued; it is sent when the engine is free."""
-        widget = UserMessage(text)
-        widget.tags = ["queued"]
-        self.queued.append(widget)
-        await self.mount_message(widget)
-
-    async def take_queued(self) -> list[str]:
-        """The queued messages' texts, their widgets removed and the queue emptied."""
-        texts = [w.text for w in self.queued]
-        for widget in self.queued:
-            if widget.is_attached:
-                await widget.remove()
-        self.queued = []
-        return texts
-
     async def send_queued(self) -> None:
-        widget = self.queued.pop(0)
+        widget = self.transcript.queued.pop(0)
         widget.set_tag("queued", False)
-        widget.conv_index = len(self.entries)
-        self.entries.append(Entry("user", widget.text, widget))
+        widget.conv_index = len(self.transcript.entries)
+        self.transcript.entries.append(Entry("user", widget.text, widget))
         await self.start_reply(Send(widget.text), after=widget)
