@@ -73,3 +73,25 @@ def test_eight_bit_rows_on_int8_activations_stay_near_exact(bits):
     _, l_fast, _ = _decode(fast, prompt, 4)
     assert any(not np.array_equal(a, b) for a, b in zip(l_fast, l_exact))
     assert all(_close(a, b, tol=3e-2) for a, b in zip(l_fast, l_exact))
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_eight_bit_rows_take_the_prefill_panel(bits):
+    """numerics fast, the prefill chunk: 8-bit rows (and widened 5-bit ones) run on the int8
+    panel (int8panel.PANEL8) rather than the float tile. With the attention's scores kept on
+    floats every other product of these models is 8-bit, so the chunk's logits equal the exact
+    route's unless the panel is taken; they move by int8 rounding only."""
+    from chatapp.kernels.int8panel import PANEL8
+
+    exact, fast = _model(bits=bits, tied=False, seed=9), _model(bits=bits, tied=False, seed=9)
+    apply_fast_path(exact, backend="cpu", warm_up=False, numerics="exact")
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    fast._chatapp_fused.set_fast(True, last_exact=False, head="exact", prefill_scores="exact")
+    prompt = [int(t) for t in mx.random.randint(0, 256, (40,), key=mx.random.key(4))]
+    outs = []
+    for m in (exact, fast):
+        caches = make_caches(m, CacheSettings(mode="prealloc"))
+        with last_position_only():
+            outs.append(np.array(m(mx.array([prompt]), cache=caches)[0, -1]))
+    assert np.array_equal(outs[0], outs[1]) != PANEL8
+    assert _close(outs[1], outs[0], tol=3e-2)

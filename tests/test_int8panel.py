@@ -17,48 +17,58 @@ from numba import njit  # noqa: E402
 
 from chatapp.kernels.int8dot import ISA  # noqa: E402
 from chatapp.kernels.int8panel import (  # noqa: E402
+    PANEL8,
     PANEL_ROWS,
     PANEL_TOKENS,
     make_panel_tile,
     pack_panel,
+    panel_tile,
     panel_token_rows,
     panel_unit,
-    q4_panel_tile,
     quantise_panel_tokens,
 )
+from chatapp.kernels.panel_avx2 import make_avx2_panel_tile  # noqa: E402
 from tests.q4_weights import quantized, runnable_isas  # noqa: E402
 
 _RUNNERS: dict = {}
 
 
-def _runner(isa: str, unit: int, gs: int, planes: int):
+def _isas(bits: int) -> list[str]:
+    """The instruction sets this CPU runs whose panel reads rows of ``bits`` (AVX2's: 4 only)."""
+    return [isa for isa in runnable_isas() if bits == 4 or isa != "avx2"]
+
+
+def _runner(isa: str, unit: int, gs: int, planes: int, bits: int = 4):
     """A jitted product of a whole weight with T tokens through the panel kernel of ``isa``:
     panels of 16 rows, PANEL_TOKENS tokens a call, results of rows and tokens past the ends
-    dropped (as prefill_step does). The host ISA goes through q4_panel_tile's dispatch."""
-    key = (isa, unit, gs, planes)
+    dropped (as prefill_step does). The host ISA goes through panel_tile's dispatch."""
+    key = (isa, unit, gs, planes, bits)
     if key in _RUNNERS:
         return _RUNNERS[key]
     if isa == ISA:
         @njit
         def tile(pan, xq, t0, out):
-            q4_panel_tile(pan, xq, t0, gs, unit, out)
+            panel_tile(pan, xq, t0, gs, unit, out)
     else:
-        k = make_panel_tile(isa, unit, gs, planes=planes)
+        k = make_avx2_panel_tile(unit, gs, PANEL_TOKENS, planes) if isa == "avx2" else \
+            make_panel_tile(isa, bits, planes=planes)
 
         @njit
         def tile(pan, xq, t0, out):
-            k(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+            k(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, gs, out)
+
+    width = PANEL_ROWS * bits // 4
 
     @njit
     def run(packed, scales, biases, xq, T, got):
-        N, half_k = packed.shape
-        K = 2 * half_k
-        pan = (np.empty((K // 8, PANEL_ROWS), np.uint32), np.empty((K // gs, PANEL_ROWS), np.float32),
+        N = packed.shape[0]
+        K = packed.shape[1] * 8 // bits
+        pan = (np.empty((K // 8, width), np.uint32), np.empty((K // gs, PANEL_ROWS), np.float32),
                np.empty((K // gs, PANEL_ROWS), np.float32))
         out = np.empty(PANEL_TOKENS * PANEL_ROWS, np.float32)
         for r0 in range(0, N, PANEL_ROWS):
             n = min(PANEL_ROWS, N - r0)
-            pack_panel(packed, scales, biases, r0, n, pan[0], pan[1], pan[2])
+            pack_panel(packed, scales, biases, bits, r0, n, pan[0], pan[1], pan[2])
             for t in range(0, T, PANEL_TOKENS):
                 tile(pan, xq, t, out)
                 for j in range(min(PANEL_TOKENS, T - t)):
@@ -99,14 +109,15 @@ def _natural(xq, T, K, unit):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), gs=st.sampled_from([32, 64, 128]), groups=st.integers(1, 4),
        n=st.integers(1, 40), T=st.integers(1, 19), half=st.booleans(), block=st.sampled_from([8, 16, 32, 64, 128]),
-       spread=st.sampled_from([1.0, 30.0]), planes=st.sampled_from([1, 2]))
-def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread, planes):
+       spread=st.sampled_from([1.0, 30.0]), planes=st.sampled_from([1, 2]), bits=st.sampled_from([4, 8]))
+def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, block, spread, planes, bits):
     """Every ISA this CPU runs: mx.dequantize(w) @ x within the int8 (or 16-bit) rounding's
     bound, and to float rounding the model of the kernel's sums: the quantised x times the
-    dequantised weights, biases included (the biases' share from the unit sums as quantised)."""
+    dequantised weights, biases included (the biases' share from the unit sums as quantised);
+    4- and 8-bit rows (8-bit weights 0..255: the sums' range a 4-bit test never reaches)."""
     k = max(gs, block) * groups
     unit = panel_unit(block, gs)
-    packed, s, b, deq = quantized(seed, n, k, gs, half)
+    packed, s, b, deq = quantized(seed, n, k, gs, half, bits)
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((T, k)) * rng.choice([0.01, 1.0, spread], (T, k))).astype(np.float32)
     xq = _tokens(x, block, unit, planes)
@@ -119,9 +130,9 @@ def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, bloc
     model = (q * step) @ deq.astype(np.float64).T
     exact = x @ deq.T
     bound = (step / 2) @ np.abs(deq).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
-    for isa in runnable_isas():
+    for isa in _isas(bits):
         got = np.full((T, n), np.nan, np.float32)
-        _runner(isa, unit, gs, planes)(packed, s, b, xq, T, got)
+        _runner(isa, unit, gs, planes, bits)(packed, s, b, xq, T, got)
         np.testing.assert_allclose(got, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
         assert np.all(np.abs(got - exact) <= bound), isa
 
@@ -142,31 +153,44 @@ def test_two_planes_are_about_256_times_finer():
     assert err[2] * 50 < err[1]
 
 
-def test_panel_rejects_a_unit_that_does_not_divide_the_group():
+def test_panel_tiles_reject_what_they_cannot_read():
     with pytest.raises(ValueError):
-        make_panel_tile(ISA, 64, 32)
+        make_avx2_panel_tile(64, 32, PANEL_TOKENS, 1)  # a unit that does not divide the group
     with pytest.raises(ValueError):
-        make_panel_tile("sse9", 32, 32)
+        make_panel_tile("sse9")
     with pytest.raises(ValueError):
-        make_panel_tile(ISA, 32, 32, planes=3)
+        make_panel_tile("generic", planes=3)
+    with pytest.raises(ValueError):
+        make_panel_tile("generic", bits=5)
+    with pytest.raises(ValueError):
+        make_panel_tile("avx2")  # AVX2's tiles are panel_avx2's
     assert panel_unit(8, 64) == 8 and panel_unit(128, 32) == 32
+    assert PANEL8 == (ISA != "avx2")
 
 
 @pytest.mark.parametrize("n, K", [(16, 4096), (5, 160), (16, 352), (1, 128)])
-def test_pack_panel_is_the_transpose_of_the_rows_dwords(n, K):
-    """panel[s, i] = dword s of row r0 + i, with each group's scale and bias, rows past n zero,
-    whatever the panel steps (K / 8, also not a multiple of PACK_STEPS) and rows."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_panel_is_the_transpose_of_the_rows_dwords(n, K, bits):
+    """4-bit: panel[s, i] = dword s of row r0 + i; 8-bit: panel[s, i] the bytes of elements 8s,
+    8s + 2, 8s + 4, 8s + 6 and panel[s, 16 + i] of the odd ones; each group's scale and bias, rows
+    past n zero, whatever the panel steps (K / 8) and rows."""
     rng = np.random.default_rng(n + K)
     N, gs = 40, 32
-    packed = rng.integers(0, 256, (N, K // 2), dtype=np.uint8)
+    packed = rng.integers(0, 256, (N, K * bits // 8), dtype=np.uint8)
     scales = rng.random((N, K // gs), dtype=np.float32)
     biases = rng.random((N, K // gs), dtype=np.float32)
-    panel = np.full((K // 8, PANEL_ROWS), 7, np.uint32)
+    width = PANEL_ROWS * bits // 4
+    panel = np.full((K // 8, width), 7, np.uint32)
     ps, pb = np.full((K // gs, PANEL_ROWS), 7, np.float32), np.full((K // gs, PANEL_ROWS), 7, np.float32)
     r0 = 21
-    pack_panel(packed, scales, biases, r0, n, panel, ps, pb)
-    want = np.zeros((K // 8, PANEL_ROWS), np.uint32)
-    want[:, :n] = packed[r0:r0 + n].view(np.uint32).T
+    pack_panel(packed, scales, biases, bits, r0, n, panel, ps, pb)
+    want = np.zeros((K // 8, width), np.uint32)
+    rows = packed[r0:r0 + n]
+    if bits == 4:
+        want[:, :n] = rows.view(np.uint32).T
+    else:
+        want[:, :n] = np.ascontiguousarray(rows[:, 0::2]).view(np.uint32).T
+        want[:, PANEL_ROWS:PANEL_ROWS + n] = np.ascontiguousarray(rows[:, 1::2]).view(np.uint32).T
     np.testing.assert_array_equal(panel, want)
     np.testing.assert_array_equal(ps[:, :n], scales[r0:r0 + n].T)
     np.testing.assert_array_equal(pb[:, :n], biases[r0:r0 + n].T)

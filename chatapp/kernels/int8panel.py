@@ -49,17 +49,17 @@ from numba.extending import intrinsic
 from .affine import bias_at
 from .int8dot import ISA, ISAS, V16I, V64B, dot_i32_wide, split16
 from .llvm import as_f32
-from .panel_avx2 import make_avx2_panel_tile
-from .panel_ir import UnitLoop, panel_args, panel_args_ok, scaled_unit
-from .simd import I64, V16F, splat
+from .panel_avx2 import avx2_panel_tile
+from .panel_ir import PANEL_ROWS, PANEL_TOKENS, UnitLoop, panel_args, panel_args_ok, scaled_unit
+from .simd import I64, V16F, declare, splat
 
-PANEL_ROWS = 16  # rows per panel: one int32 lane each
-# tokens per kernel call: 8 int32 + 8 float accumulators, 16 of the 32 zmm (6, 8, 10 and 12 tokens
-# measured within noise of each other on a busy Xeon; 8 divides the usual chunk sizes)
-PANEL_TOKENS = 8
 # natural elements per int8 activation scale in the prefill (llama.cpp's Q8_0 block); decode keeps
 # int8dot.ACT_BLOCK. Perplexity of each: BENCHMARKS.md
 PREFILL_ACT_BLOCK = 32
+# 8-bit rows (Q8_0, Q6_K, widened 5-bit) take the panel where the product of a byte 0..255 and an
+# int8 is exact: vpdpbusd or the portable lowering. AVX2's vpmaddubsw saturates its int16 pair sums
+# past 128 x 127 x 2, so there 8-bit rows stay on the float tile.
+PANEL8 = ISA != "avx2"
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -69,229 +69,197 @@ def panel_unit(block: int, group_size: int) -> int:
     return min(block, group_size)
 
 
-def make_panel_tile(isa: str, unit: int, group_size: int, tokens: int = PANEL_TOKENS, planes: int = 1):
+def make_panel_tile(isa: str, bits: int = 4, tokens: int = PANEL_TOKENS, planes: int = 1):
     """out[j * 16 + i] = panel row i times token t0 + j (j < tokens), biases included.
 
-    panel: uint32 [K/8, 16] (pack_panel); pscale/pbias: float32 [K/group_size, 16]; xe/xo: int8
-    [K/8, Tp, 4 * planes] (quantise_panel_tokens: even / odd elements; with 2 planes the high
-    bytes, then the low ones); ts/tsum: float32 [K/unit, Tp]; out: float32 [>= tokens * 16];
-    tokens t0 .. t0 + tokens - 1 must exist (< Tp). planes 2: the activations are 16-bit, as
+    Arguments (panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group, out): panel uint32
+    [K/8, 16] of 4-bit rows, or [K/8, 32] of 8-bit ones (pack_panel); pscale/pbias: float32
+    [K/group, 16]; xe/xo: int8 [K/8, Tp, 4 * planes] (quantise_panel_tokens: even / odd
+    elements; with 2 planes the high bytes, then the low ones); ts/tsum: float32 [K/unit, Tp];
+    out: float32 [>= tokens * 16]; tokens t0 .. t0 + tokens - 1 must exist (< Tp); unit and
+    group powers of two, 8 <= unit <= group. planes 2: the activations are 16-bit, as
     ``hi * 256 + lo`` (both int8), each plane one ``vpdpbusd`` against the same weight bytes, and
-    per unit the two int32 sums are combined as ``(hi << 8) + lo`` before the one conversion."""
+    per unit the two int32 sums are combined as ``(hi << 8) + lo`` before the one conversion.
+
+    The unit and the group are arguments, the steps of a unit a loop: one tile serves every
+    pair. Until stop 46 each (unit, group) pair had its own tile with the unit's steps unrolled:
+    40 tiles, whose compilation cost a cold first start seconds, and no faster (the loop's
+    compare and branch run beside 16 ``vpdpbusd`` a step)."""
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, not {isa!r}")
-    if unit % 8 or group_size % unit:
-        raise ValueError(f"unit {unit} must be a multiple of 8 dividing the group {group_size}")
+    if isa == "avx2":
+        raise ValueError("AVX2 has its own tiles, one per unit and group (panel_avx2.py)")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
     if planes not in (1, 2):
         raise ValueError(f"planes must be 1 or 2, not {planes}")
-    if isa == "avx2":  # no int8 dot instruction and 16 registers: its own tile (panel_avx2.py)
-        return make_avx2_panel_tile(unit, group_size, tokens, planes)
-    ksteps = unit // 8  # dword steps (8 weights each) per unit
-    units_per_group = group_size // unit
+    row_dwords = PANEL_ROWS * bits // 4  # a step's dwords: 16 of nibbles, or 16 of even bytes and 16 of odd
 
     @intrinsic
-    def q4_panel_tile(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
-        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out):
+    def panel_tile(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group, out):
+        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group, out):
             return None
 
         def codegen(context, builder, signature, args):
-            sa, ba, ta, ua, outa, t0v, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature, args)
+            sa, ba, ta, ua, outa, t0v, unitv, groupv, n_units, tp, pan, xe32, xo32 = panel_args(
+                context, builder, signature, args)
             fifteen, four = ir.Constant(V64B, [15] * 64), ir.Constant(V64B, [4] * 64)
             izero = ir.Constant(V16I, [0] * 16)
+            cttz = declare(builder.module, "llvm.cttz.i64", ir.FunctionType(I64, [I64, ir.IntType(1)]))
 
-            def load_vec(ptr, index, vtype, align):
+            def c(v):
+                return ir.Constant(I64, v)
+
+            def load_vec(ptr, index, vtype):
                 p = builder.gep(ptr, [index])
-                return builder.load(builder.bitcast(p, vtype.as_pointer()), align=align)
+                return builder.load(builder.bitcast(p, vtype.as_pointer()), align=1)
 
             def bcast_i32(ptr, index):
                 v = builder.load(builder.gep(ptr, [index]), align=1)
                 return builder.bitcast(splat(builder, v, V16I), V64B)
 
+            ksteps = builder.lshr(unitv, c(3))  # dword steps (8 weights each) per unit
+            # unit -> group: a shift, both powers of two (a division per unit measured slower)
+            group_shift = builder.call(cttz, [builder.udiv(groupv, unitv), ir.Constant(ir.IntType(1), 1)])
             units = UnitLoop(builder, n_units, tokens, V16F, "panel")
             u = units.u
-            # reset per unit: the scales apply to a unit's sum; one chain per token and plane (a
-            # second chain for the odd weights measured no faster)
-            iaccs = [[izero] * tokens for _ in range(planes)]
-            for s_local in range(ksteps):
-                s = builder.add(builder.mul(u, ir.Constant(I64, ksteps)), ir.Constant(I64, s_local))
-                w = builder.bitcast(load_vec(pan, builder.mul(s, ir.Constant(I64, 16)), V16I, 1), V64B)
+            # the unit's steps: int32 sums reset per unit (the scales apply to a unit's sum), one
+            # chain per token and plane (a second chain for the odd weights measured no faster)
+            head = builder.block
+            body = builder.append_basic_block("panel.steps")
+            builder.branch(body)
+            builder.position_at_end(body)
+            sl = builder.phi(I64)
+            sl.add_incoming(c(0), head)
+            chains = [[builder.phi(V16I) for _ in range(tokens)] for _ in range(planes)]
+            for row in chains:
+                for phi in row:
+                    phi.add_incoming(izero, head)
+            iaccs = [list(row) for row in chains]
+            s = builder.add(builder.mul(u, ksteps), sl)
+            at = builder.mul(s, c(row_dwords))
+            if bits == 4:  # the low nibbles are the even elements, the high ones the odd
+                w = builder.bitcast(load_vec(pan, at, V16I), V64B)
                 lo, hi = builder.and_(w, fifteen), builder.lshr(w, four)
-                tok0 = builder.add(builder.mul(s, tp), t0v)
-                for j in range(tokens):
-                    idx = builder.add(tok0, ir.Constant(I64, j))
-                    if planes > 1:
-                        idx = builder.mul(idx, ir.Constant(I64, planes))
-                    for p in range(planes):
-                        ip = builder.add(idx, ir.Constant(I64, p)) if p else idx
-                        iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], lo, bcast_i32(xe32, ip))
-                        iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], hi, bcast_i32(xo32, ip))
-            g = builder.udiv(u, ir.Constant(I64, units_per_group)) if units_per_group > 1 else u
-            ws = load_vec(sa.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
-            wb = load_vec(ba.data, builder.mul(g, ir.Constant(I64, 16)), V16F, 1)
+            else:  # pack_panel put the even bytes first, then the odd
+                lo = builder.bitcast(load_vec(pan, at, V16I), V64B)
+                hi = builder.bitcast(load_vec(pan, builder.add(at, c(PANEL_ROWS)), V16I), V64B)
+            tok0 = builder.add(builder.mul(s, tp), t0v)
+            for j in range(tokens):
+                idx = builder.add(tok0, c(j))
+                if planes > 1:
+                    idx = builder.mul(idx, c(planes))
+                for p in range(planes):
+                    ip = builder.add(idx, c(p)) if p else idx
+                    iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], lo, bcast_i32(xe32, ip))
+                    iaccs[p][j] = dot_i32_wide(builder, isa, iaccs[p][j], hi, bcast_i32(xo32, ip))
+            nxt = builder.add(sl, c(1))
+            sl.add_incoming(nxt, builder.block)
+            for row, new in zip(chains, iaccs):
+                for phi, v in zip(row, new):
+                    phi.add_incoming(v, builder.block)
+            steps_done = builder.append_basic_block("panel.steps.done")
+            builder.cbranch(builder.icmp_unsigned("<", nxt, ksteps), body, steps_done)
+            builder.position_at_end(steps_done)
+            g = builder.lshr(u, group_shift)
+            ws = load_vec(sa.data, builder.mul(g, c(16)), V16F)
+            wb = load_vec(ba.data, builder.mul(g, c(16)), V16F)
             p0 = builder.add(builder.mul(u, tp), t0v)
             finals = units.close(scaled_unit(builder, iaccs, ws, wb, ta, ua, p0, units.faccs))
             for j, final in enumerate(finals):
-                dst = builder.gep(outa.data, [ir.Constant(I64, 16 * j)])
+                dst = builder.gep(outa.data, [c(16 * j)])
                 builder.store(final, builder.bitcast(dst, V16F.as_pointer()), align=4)
             return context.get_dummy_value()
 
-        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, out), codegen
+        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group, out), codegen
 
-    return q4_panel_tile
-
-
-# the (unit, group) pairs a prefill can meet: units of 8 .. 128 within groups of 32, 64, 128
-_TILES = {(u, g): make_panel_tile(ISA, u, g) for g in (32, 64, 128) for u in (8, 16, 32, 64, 128) if u <= g}
-_p8_32, _p16_32, _p32_32 = _TILES[8, 32], _TILES[16, 32], _TILES[32, 32]
-_p8_64, _p16_64, _p32_64, _p64_64 = _TILES[8, 64], _TILES[16, 64], _TILES[32, 64], _TILES[64, 64]
-_p8_128, _p16_128, _p32_128, _p64_128, _p128_128 = (_TILES[8, 128], _TILES[16, 128], _TILES[32, 128],
-                                                    _TILES[64, 128], _TILES[128, 128])
+    return panel_tile
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _tile_g32(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 32:
-        _p32_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _p16_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    else:
-        _p8_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+# one tile per weight width and activation planes (on AVX2 never run: panel_avx2's serve there,
+# and 8-bit rows stay on floats; made with the portable lowering so that they compile anywhere)
+_TILE_ISA = "generic" if ISA == "avx2" else ISA
+_t4_1, _t4_2 = make_panel_tile(_TILE_ISA, 4), make_panel_tile(_TILE_ISA, 4, planes=2)
+_t8_1, _t8_2 = make_panel_tile(_TILE_ISA, 8), make_panel_tile(_TILE_ISA, 8, planes=2)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _tile_g64(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 64:
-        _p64_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 32:
-        _p32_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _p16_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+def _vector_tile(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
+    a = (pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3])
+    if pan[0].shape[1] == 2 * PANEL_ROWS:
+        if xq[0].shape[2] == 8:
+            _t8_2(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
+        else:
+            _t8_1(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
+    elif xq[0].shape[2] == 8:
+        _t4_2(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
     else:
-        _p8_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
+        _t4_1(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _tile_g128(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 128:
-        _p128_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 64:
-        _p64_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 32:
-        _p32_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _p16_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    else:
-        _p8_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _q4_panel_tile1(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
-    if group_size == 32:
-        _tile_g32(unit, pan, xq, t0, out)
-    elif group_size == 64:
-        _tile_g64(unit, pan, xq, t0, out)
-    else:
-        _tile_g128(unit, pan, xq, t0, out)
-
-
-# the same with 16-bit activations on two int8 planes
-_TILES2 = {(u, g): make_panel_tile(ISA, u, g, planes=2) for g in (32, 64, 128) for u in (8, 16, 32, 64, 128)
-           if u <= g}
-_w8_32, _w16_32, _w32_32 = _TILES2[8, 32], _TILES2[16, 32], _TILES2[32, 32]
-_w8_64, _w16_64, _w32_64, _w64_64 = _TILES2[8, 64], _TILES2[16, 64], _TILES2[32, 64], _TILES2[64, 64]
-_w8_128, _w16_128, _w32_128, _w64_128, _w128_128 = (_TILES2[8, 128], _TILES2[16, 128], _TILES2[32, 128],
-                                                    _TILES2[64, 128], _TILES2[128, 128])
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _tile2_g32(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 32:
-        _w32_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _w16_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    else:
-        _w8_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _tile2_g64(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 64:
-        _w64_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 32:
-        _w32_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _w16_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    else:
-        _w8_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _tile2_g128(unit, pan, xq, t0, out):  # pragma: no cover - jitted
-    if unit == 128:
-        _w128_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 64:
-        _w64_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 32:
-        _w32_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    elif unit == 16:
-        _w16_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-    else:
-        _w8_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, out)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _q4_panel_tile2(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
-    if group_size == 32:
-        _tile2_g32(unit, pan, xq, t0, out)
-    elif group_size == 64:
-        _tile2_g64(unit, pan, xq, t0, out)
-    else:
-        _tile2_g128(unit, pan, xq, t0, out)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def q4_panel_tile(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
-    """out[j * 16 + i] = panel row i times token t0 + j (j < PANEL_TOKENS), biases included;
-    pan = (panel, pscale, pbias) of pack_panel, xq = (xe, xo, ts, tsum) of quantise_panel_tokens
-    (one plane: int8 activations; two: 16-bit)."""
-    if xq[0].shape[2] == 8:
-        _q4_panel_tile2(pan, xq, t0, group_size, unit, out)
-    else:
-        _q4_panel_tile1(pan, xq, t0, group_size, unit, out)
+# out[j * 16 + i] = panel row i times token t0 + j (j < PANEL_TOKENS), biases included; pan =
+# (panel, pscale, pbias) of pack_panel (4-bit rows, or 8-bit ones where PANEL8), xq = (xe, xo,
+# ts, tsum) of quantise_panel_tokens (one plane: int8 activations; two: 16-bit)
+panel_tile = avx2_panel_tile if ISA == "avx2" else _vector_tile
 
 
 @njit(nogil=True, cache=True)
 def panel_rows(pan, xq, T, group_size, unit, out):  # pragma: no cover - jitted
-    """out[t * 16 + i] = panel row i times token t for every t < T (q4_panel_tile on each block
-    of PANEL_TOKENS; out holds panel_token_rows(T) x 16). Not inlined, so that its 24 unrolled
-    tiles compile once, not at each of prefill_step's call sites (a cold first start spent
-    ~11 s more on those copies); one call per 16-row claim costs nothing measurable, where a call
+    """out[t * 16 + i] = panel row i times token t for every t < T (panel_tile on each block
+    of PANEL_TOKENS; out holds panel_token_rows(T) x 16). Not inlined, so that its tiles compile
+    once, not at each of prefill_step's call sites (a cold first start spent ~11 s more on those
+    copies when there were 24); one call per 16-row claim costs nothing measurable, where a call
     per tile cost ~10% of the prefill."""
     for t in range(0, T, PANEL_TOKENS):
-        q4_panel_tile(pan, xq, t, group_size, unit, out[t * PANEL_ROWS:])
+        panel_tile(pan, xq, t, group_size, unit, out[t * PANEL_ROWS:])
 
 
 @njit(nogil=True, cache=True)
-def pack_panel(packed, scales, biases, r0, n, panel, pscale, pbias):  # pragma: no cover - jitted
-    """Rows r0 .. r0 + n - 1 (n <= 16) of a 4-bit weight into the panel: panel[s, i] = packed
-    bytes 4s .. 4s + 3 of row r0 + i (as one dword), pscale/pbias[g, i] its group g's scale and
-    bias as float32; rows n .. 15 zero (their results are zero and not read)."""
+def pack_panel(packed, scales, biases, bits, r0, n, panel, pscale, pbias):  # pragma: no cover - jitted
+    """Rows r0 .. r0 + n - 1 (n <= 16) of a 4- or 8-bit weight into the panel, pscale/pbias[g, i]
+    each row's group g scale and bias as float32; rows n .. 15 zero (their results are zero and
+    not read). 4-bit: panel [K/8, 16], panel[s, i] = packed bytes 4s .. 4s + 3 of row r0 + i (as
+    one dword: the even elements in the low nibbles). 8-bit: panel [K/8, 32], panel[s, i] = the
+    bytes of elements 8s, 8s + 2, 8s + 4, 8s + 6 of row r0 + i, panel[s, 16 + i] those of
+    8s + 1, ..., 8s + 7: the tile's even and odd weights as the nibbles give them."""
     steps = panel.shape[0]
-    rows32 = packed.view(np.uint32)
     for i in range(PANEL_ROWS):
         if i < n:
             r = r0 + i
-            for s in range(steps):
-                panel[s, i] = rows32[r, s]
+            if bits == 4:
+                rows32 = packed.view(np.uint32)
+                for s in range(steps):
+                    panel[s, i] = rows32[r, s]
+            else:
+                rows64 = packed.view(np.uint64)
+                for s in range(steps):
+                    e, o = _even_odd_bytes(rows64[r, s])
+                    panel[s, i] = e
+                    panel[s, PANEL_ROWS + i] = o
             for g in range(pscale.shape[0]):
                 pscale[g, i] = as_f32(scales[r, g])
-                pbias[g, i] = bias_at(scales, biases, 4, r, g)
+                pbias[g, i] = bias_at(scales, biases, bits, r, g)
         else:
             for s in range(steps):
-                panel[s, i] = 0
+                for h in range(panel.shape[1] // PANEL_ROWS):
+                    panel[s, h * PANEL_ROWS + i] = 0
             for g in range(pscale.shape[0]):
                 pscale[g, i] = 0.0
                 pbias[g, i] = 0.0
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _even_odd_bytes(x):  # pragma: no cover - jitted
+    """The bytes 0, 2, 4, 6 and 1, 3, 5, 7 of a little-endian uint64, each four as one uint32."""
+    return _gather_even_bytes(x), _gather_even_bytes(x >> np.uint64(8))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _gather_even_bytes(x):  # pragma: no cover - jitted
+    """Bytes 0, 2, 4, 6 of a little-endian uint64 as one uint32 (bytes 0 .. 3)."""
+    v = x & np.uint64(0x00FF00FF00FF00FF)
+    v = (v | (v >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return np.uint32((v | (v >> np.uint64(16))) & np.uint64(0xFFFFFFFF))
 
 
 @njit(nogil=True, cache=True, inline="always")

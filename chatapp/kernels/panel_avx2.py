@@ -23,11 +23,11 @@ they are bit-identical to it.
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
 
 from .llvm import F32, I8
-from .panel_ir import UnitLoop, panel_args, panel_args_ok, scaled_unit
+from .panel_ir import PANEL_TOKENS, UnitLoop, panel_args, panel_args_ok, scaled_unit
 from .simd import I64, declare, splat
 
 _I16 = ir.IntType(16)
@@ -48,7 +48,13 @@ def token_group(planes: int) -> int:
 
 
 def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
-    """int8panel.make_panel_tile's contract (the same arguments and results), on AVX2."""
+    """int8panel.make_panel_tile's contract (the same arguments and results), on AVX2, for 4-bit
+    rows and one (unit, group) pair: the unit's steps unrolled, the int16 sums widened every
+    INT16_STEPS (the unit and group arguments are not read)."""
+    if unit % 8 or group_size % unit:
+        raise ValueError(f"unit {unit} must be a multiple of 8 dividing the group {group_size}")
+    if planes not in (1, 2):
+        raise ValueError(f"planes must be 1 or 2, not {planes}")
     ksteps = unit // 8
     units_per_group = group_size // unit
     group = min(token_group(planes), tokens)
@@ -56,12 +62,14 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
         raise ValueError(f"tokens {tokens} must be a multiple of {group}")
 
     @intrinsic
-    def q4_panel_tile_avx2(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, out):
-        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out):
+    def q4_panel_tile_avx2(typingctx, panel, pscale, pbias, xe, xo, ts, tsum, t0, unit_arg, group_arg, out):
+        if not panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit_arg, group_arg, out):
             return None
 
         def codegen(context, builder, signature, args):
-            sa, ba, ta, ua, outa, t0v, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature, args)
+            # unit and group are this tile's own (made for one pair): their arguments are not read
+            sa, ba, ta, ua, outa, t0v, _, _, n_units, tp, pan, xe32, xo32 = panel_args(context, builder, signature,
+                                                                                       args)
             xs = (xe32, xo32)
             mod = builder.module
             maddubs = declare(mod, "llvm.x86.avx2.pmadd.ub.sw", ir.FunctionType(V16S, [V32B, V32B]))
@@ -120,6 +128,126 @@ def make_avx2_panel_tile(unit: int, group_size: int, tokens: int, planes: int):
                     one_pass(half, tok)
             return context.get_dummy_value()
 
-        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, out), codegen
+        return types.none(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit_arg, group_arg, out), codegen
 
     return q4_panel_tile_avx2
+
+
+# the (unit, group) pairs a prefill can meet, one tile each (the unit is unrolled: see the module
+# docstring): units of 8 .. 128 within groups of 32, 64, 128
+_TILES = {(u, g): make_avx2_panel_tile(u, g, PANEL_TOKENS, 1) for g in (32, 64, 128) for u in (8, 16, 32, 64, 128)
+          if u <= g}
+_p8_32, _p16_32, _p32_32 = _TILES[8, 32], _TILES[16, 32], _TILES[32, 32]
+_p8_64, _p16_64, _p32_64, _p64_64 = _TILES[8, 64], _TILES[16, 64], _TILES[32, 64], _TILES[64, 64]
+_p8_128, _p16_128, _p32_128, _p64_128, _p128_128 = (_TILES[8, 128], _TILES[16, 128], _TILES[32, 128],
+                                                    _TILES[64, 128], _TILES[128, 128])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g32(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 32:
+        _p32_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _p16_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _p8_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g64(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 64:
+        _p64_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 32:
+        _p32_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _p16_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _p8_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile_g128(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 128:
+        _p128_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 64:
+        _p64_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 32:
+        _p32_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _p16_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _p8_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _avx2_tile1(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
+    if group_size == 32:
+        _tile_g32(unit, group_size, pan, xq, t0, out)
+    elif group_size == 64:
+        _tile_g64(unit, group_size, pan, xq, t0, out)
+    else:
+        _tile_g128(unit, group_size, pan, xq, t0, out)
+
+
+# the same with 16-bit activations on two int8 planes
+_TILES2 = {(u, g): make_avx2_panel_tile(u, g, PANEL_TOKENS, 2) for g in (32, 64, 128) for u in (8, 16, 32, 64, 128)
+           if u <= g}
+_w8_32, _w16_32, _w32_32 = _TILES2[8, 32], _TILES2[16, 32], _TILES2[32, 32]
+_w8_64, _w16_64, _w32_64, _w64_64 = _TILES2[8, 64], _TILES2[16, 64], _TILES2[32, 64], _TILES2[64, 64]
+_w8_128, _w16_128, _w32_128, _w64_128, _w128_128 = (_TILES2[8, 128], _TILES2[16, 128], _TILES2[32, 128],
+                                                    _TILES2[64, 128], _TILES2[128, 128])
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile2_g32(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 32:
+        _w32_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _w16_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _w8_32(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile2_g64(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 64:
+        _w64_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 32:
+        _w32_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _w16_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _w8_64(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _tile2_g128(unit, group_size, pan, xq, t0, out):  # pragma: no cover - jitted
+    if unit == 128:
+        _w128_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 64:
+        _w64_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 32:
+        _w32_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    elif unit == 16:
+        _w16_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+    else:
+        _w8_128(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, group_size, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _avx2_tile2(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
+    if group_size == 32:
+        _tile2_g32(unit, group_size, pan, xq, t0, out)
+    elif group_size == 64:
+        _tile2_g64(unit, group_size, pan, xq, t0, out)
+    else:
+        _tile2_g128(unit, group_size, pan, xq, t0, out)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def avx2_panel_tile(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
+    """int8panel.panel_tile on AVX2 (4-bit rows only): the tile made for this unit and group."""
+    if xq[0].shape[2] == 8:
+        _avx2_tile2(pan, xq, t0, group_size, unit, out)
+    else:
+        _avx2_tile1(pan, xq, t0, group_size, unit, out)

@@ -12,24 +12,31 @@ from .simd import I64, declare, is_c_array, splat
 
 _I32 = ir.IntType(32)
 
+PANEL_ROWS = 16  # rows per panel: one int32 lane each
+# tokens per kernel call: 8 int32 + 8 float accumulators, 16 of the 32 zmm (6, 8, 10 and 12 tokens
+# measured within noise of each other on a busy Xeon; 8 divides the usual chunk sizes)
+PANEL_TOKENS = 8
 
-def panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, out) -> bool:
+
+def panel_args_ok(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group, out) -> bool:
     """The argument types every panel tile takes (int8panel.make_panel_tile's contract)."""
     return (is_c_array(panel, (types.uint32,), 2) and is_c_array(pscale, (types.float32,), 2)
             and is_c_array(pbias, (types.float32,), 2) and is_c_array(xe, (types.int8,), 3)
             and is_c_array(xo, (types.int8,), 3) and is_c_array(ts, (types.float32,), 2)
-            and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1))
+            and is_c_array(tsum, (types.float32,), 2) and is_c_array(out, (types.float32,), 1)
+            and all(isinstance(a, types.Integer) and a.bitwidth == 64 for a in (t0, unit, group)))
 
 
 def panel_args(context, builder, signature, args) -> tuple:
     """What a panel tile's codegen reads of its arguments: the scale, bias, token-scale, token-sum
-    and output arrays, t0, the units (K / unit) and token rows Tp, and the panel and the two
-    activation planes as int32 pointers (one dword: 4 weights' bytes or 4 activations)."""
+    and output arrays, t0, unit and group, the units (K / unit) and token rows Tp, and the panel and
+    the two activation planes as int32 pointers (one dword: 4 weights' bytes or 4 activations)."""
     pa, sa, ba, ea, oa, ta, ua, outa = (context.make_array(signature.args[i])(context, builder, args[i])
-                                        for i in (0, 1, 2, 3, 4, 5, 6, 8))
+                                        for i in (0, 1, 2, 3, 4, 5, 6, 10))
     i32p = _I32.as_pointer()
-    return (sa, ba, ta, ua, outa, args[7], builder.extract_value(ta.shape, 0), builder.extract_value(ta.shape, 1),
-            builder.bitcast(pa.data, i32p), builder.bitcast(ea.data, i32p), builder.bitcast(oa.data, i32p))
+    return (sa, ba, ta, ua, outa, args[7], args[8], args[9], builder.extract_value(ta.shape, 0),
+            builder.extract_value(ta.shape, 1), builder.bitcast(pa.data, i32p), builder.bitcast(ea.data, i32p),
+            builder.bitcast(oa.data, i32p))
 
 
 class UnitLoop:
@@ -53,16 +60,17 @@ class UnitLoop:
 
     def close(self, new: list) -> list:
         b = self.builder
+        latch = b.block  # the body's last block: the loop's own, or one after loops nested in it
         nxt = b.add(self.u, ir.Constant(I64, 1))
-        self.u.add_incoming(nxt, b.block)
+        self.u.add_incoming(nxt, latch)
         for f, n in zip(self.faccs, new):
-            f.add_incoming(n, b.block)
+            f.add_incoming(n, latch)
         b.cbranch(b.icmp_unsigned("<", nxt, self.n_units), self.loop, self.done)
         b.position_at_end(self.done)
         finals = [b.phi(self.vtype) for _ in new]
         for final, n in zip(finals, new):
             final.add_incoming(self.zero, self.entry)
-            final.add_incoming(n, self.loop)
+            final.add_incoming(n, latch)
         return finals
 
 
@@ -70,8 +78,8 @@ def scaled_unit(builder: ir.IRBuilder, planes: list, ws, wb, ta, ua, p0, faccs: 
     """Each token j's accumulator after a unit: faccs[j] + float(isum) x (row scales ws x token
     scale) + row biases wb x the token's sum as quantised, the token's scale and sum at ``p0`` + j of ts
     and tsum. ``planes``: the int32 sums per token of the one plane, or of the high and the low
-    plane of 16-bit activations, combined as (hi << 8) + lo (|hi sum| <= 15 x 128 x unit, < 2^18
-    for units of 128: shifted by 8 it fits in int32)."""
+    plane of 16-bit activations, combined as (hi << 8) + lo (|hi sum| <= 255 x 128 x unit with
+    8-bit weights, < 2^23 for units of 128: shifted by 8 it fits in int32)."""
     ftype = faccs[0].type
     fma = declare(builder.module, f"llvm.fma.v{ftype.count}f32", ir.FunctionType(ftype, [ftype] * 3))
     if len(planes) == 1:

@@ -32,6 +32,7 @@ from .affine import bias_at
 from .decode_step import FAST_ATTN, FAST_DOWN_WIDE, LINE, phase_barrier, phase_claim, phase_done, silu_mul
 from .half import kv_buffer
 from .int8panel import (
+    PANEL8,
     PANEL_ROWS,
     PREFILL_ACT_BLOCK,
     pack_panel,
@@ -141,14 +142,18 @@ def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
 @njit(fastmath=True, nogil=True, cache=True)
 def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq, pan, unit):  # pragma: no cover
     """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n <= ROW_TILE: on float32
-    (the tile dequantised, then _tile_times), or when ``fast`` and 4-bit on int8 activations
-    (int8panel: the rows packed into ``pan``, then every token of xq: panel_rows)."""
-    if fast and bits == 4:
+    (the tile dequantised, then _tile_times), or when ``fast`` and the rows 4-bit (or 8-bit where
+    int8panel.PANEL8) on int8 activations (int8panel: the rows packed into ``pan``, then every
+    token of xq: panel_rows)."""
+    if fast and (bits == 4 or bits == 8 and PANEL8):
         packed, scales, biases = w
-        pack_panel(packed, scales, biases, r0, n, pan[0], pan[1], pan[2])
+        steps = xp.shape[1] // 8
+        width = PANEL_ROWS * bits // 4  # a step's dwords: the 8-bit panel is twice the 4-bit one
+        panel = pan[0][:steps * width].reshape(steps, width)
+        pack_panel(packed, scales, biases, bits, r0, n, panel, pan[1], pan[2])
         T = xp.shape[0]
         out = np.empty(panel_token_rows(T) * PANEL_ROWS, np.float32)
-        panel_rows(pan, xq, T, group_size, unit, out)
+        panel_rows((panel, pan[1], pan[2]), xq, T, group_size, unit, out)
         for t in range(T):
             for i in range(n):
                 _put(dst, t, col0 + i, out[t * PANEL_ROWS + i], add)
@@ -174,9 +179,10 @@ def _quantised(xp, fast, block, unit, planes):  # pragma: no cover - jitted
 
 @njit(nogil=True, cache=True)
 def _panel(K, group_size, fast):  # pragma: no cover - jitted
-    """A claim's panel (pack_panel) for rows of K elements; tiny arrays when not ``fast``."""
+    """A claim's panel (pack_panel) for rows of K elements: the dwords flat, as many as an 8-bit
+    panel's (a 4-bit one uses the first half), then scales and biases; tiny arrays when not ``fast``."""
     Kp = K if fast else group_size
-    return (np.empty((Kp // 8, PANEL_ROWS), np.uint32), np.empty((Kp // group_size, PANEL_ROWS), np.float32),
+    return (np.empty(Kp // 8 * 2 * PANEL_ROWS, np.uint32), np.empty((Kp // group_size, PANEL_ROWS), np.float32),
             np.empty((Kp // group_size, PANEL_ROWS), np.float32))
 
 
@@ -237,9 +243,9 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     attn [T, heads * D], act [T, hidden] are shared scratch (act holds silu(gate) x up
     de-interleaved, the order down_proj's products read); xbuf (float32, T * max(dim, heads * D)
     elements) this thread's own, which holds the q/k/v, o_proj and gate/up inputs permuted in turn
-    (see ``prefill_scratch``). fast: decode_step's FAST_* bits (the
-    decode's activation block above them is not read here): those products' 4-bit rows run on
-    int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
+    (see ``prefill_scratch``). fast: decode_step's FAST_* bits (the decode's activation block
+    above them is not read here): those products' 4-bit rows (and 8-bit ones, int8panel.PANEL8)
+    run on int8 activations (int8panel), ``act_block`` natural elements per int8 scale (0:
     PREFILL_ACT_BLOCK); with PREFILL_DOWN_WIDE (above; and not FAST_DOWN) down_proj's on 16-bit
     ones (two int8 planes, the same blocks). q_keep [n, heads * D] (n may be 0) receives the
     chunk's last n queries before RoPE (a scored cache's votes; with ``last_only`` those rows'
