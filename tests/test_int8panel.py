@@ -27,7 +27,7 @@ from chatapp.kernels.int8panel import (  # noqa: E402
     panel_unit,
     quantise_panel_tokens,
 )
-from chatapp.kernels.panel_avx2 import make_avx2_panel_tile  # noqa: E402
+from chatapp.kernels.panel_avx2 import avx2_panel_tile, make_avx2_panel_tile  # noqa: E402
 from tests.q4_weights import quantized, runnable_isas  # noqa: E402
 
 _RUNNERS: dict = {}
@@ -49,9 +49,12 @@ def _runner(isa: str, unit: int, gs: int, planes: int, bits: int = 4):
         @njit
         def tile(pan, xq, t0, out):
             panel_tile(pan, xq, t0, gs, unit, out)
+    elif isa == "avx2":  # through panel_avx2's own dispatch, as an AVX2 host runs it
+        @njit
+        def tile(pan, xq, t0, out):
+            avx2_panel_tile(pan, xq, t0, gs, unit, out)
     else:
-        k = make_avx2_panel_tile(unit, gs, PANEL_TOKENS, planes) if isa == "avx2" else \
-            make_panel_tile(isa, bits, planes=planes)
+        k = make_panel_tile(isa, bits, planes=planes)
 
         @njit
         def tile(pan, xq, t0, out):
