@@ -115,6 +115,16 @@ def test_truncated_and_corrupt_files_are_refused(reference, tmp_path):
     bad_count[16:24] = struct.pack("<Q", 1 << 60)  # the metadata count
     (tmp_path / "count.gguf").write_bytes(bytes(bad_count))
     assert "is corrupt" in _refusal(tmp_path / "count.gguf")
+    # inside the vocabulary (an array of strings, read by its own loop): cut mid-way, and one
+    # string's length past the file
+    tokens = data.index(b"tokenizer.ggml.tokens")
+    (tmp_path / "vocab.gguf").write_bytes(data[:tokens + 200])
+    assert "is truncated" in _refusal(tmp_path / "vocab.gguf")
+    first = tokens + len("tokenizer.ggml.tokens") + 4 + 4 + 8  # value type, element type, count
+    bad_string = bytearray(data)
+    bad_string[first:first + 8] = struct.pack("<Q", 1 << 40)
+    (tmp_path / "string.gguf").write_bytes(bytes(bad_string))
+    assert "is corrupt (a string length count" in _refusal(tmp_path / "string.gguf")
 
 
 def test_unsupported_architecture_types_and_vocabularies_are_refused(tmp_path):

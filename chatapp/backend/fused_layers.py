@@ -49,25 +49,31 @@ def _qk_norm(attn, eps: float) -> np.ndarray:
 def packed_weights(m) -> tuple:
     """The packed host views the kernels read of a quantised module; a 3-, 5- or 6-bit weight
     (WIDENED_BITS) widened to one byte a value, scales and biases as they are (exact)."""
-    from .qlinear import packed_view
+    from chatapp.kernels.qmatmul import PackedWeight
+
+    from .qlinear import packed_view, scales_for_kernels
 
     if m.bits in WIDENED_BITS:
-        return packed_view(widened(m), m["scales"], m["biases"], 8, m.group_size)
+        return PackedWeight(widened(m), np.asarray(scales_for_kernels(m["scales"])),
+                            np.asarray(scales_for_kernels(m["biases"])), 8, m.group_size)
     route = getattr(m, "routing", None)
     pw = route.packed if route is not None and route.packed is not None else \
         packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)
     return pw
 
 
-def widened(m) -> mx.array:
+def widened(m) -> np.ndarray:
     """A 3/5/6-bit weight's quants (0 .. 2^bits - 1) as bytes [out, in], made once at load: the
     8-bit kernels then read it as they read Q8_0, with the module's own scales and biases. MLX
     packs these widths as a bit stream across words, which no kernel here reads in place; a byte
-    a value costs 8 / bits of the packed bytes (1.6x for 5 bits) and is still no float copy."""
-    ones, zeros = mx.ones_like(m["scales"]), mx.zeros_like(m["scales"])
-    q = mx.dequantize(m["weight"], scales=ones, biases=zeros, group_size=m.group_size, bits=m.bits,
-                      mode=m.mode, dtype=mx.float32)
-    return q.astype(mx.uint8)
+    a value costs 8 / bits of the packed bytes (1.6x for 5 bits) and is still no float copy.
+    Unpacked natively (kernels/bitstream.py): mx.dequantize with unit scales took 1.36 s of
+    SmolLM2 Q4_K_M's 3.3 s load."""
+    from chatapp.kernels.bitstream import unpack_bits
+
+    w = m["weight"]
+    mx.eval(w)
+    return unpack_bits(np.asarray(w).view(np.uint8), m.bits)
 
 
 def read_norm(m: nn.RMSNorm) -> np.ndarray:

@@ -108,14 +108,20 @@ class GGUFHeader:
         return ", ".join(f"{name} x{n}" for name, n in sorted(self.type_counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Reader:
     def __init__(self, f: BinaryIO, size: int, where: str):
         self.f, self.size, self.where = f, size, where
 
+    def truncated(self) -> GGUFError:
+        return GGUFError(f"{self.where} is truncated (its header ends early at byte {self.f.tell()})")
+
     def read(self, n: int) -> bytes:
         data = self.f.read(n)
         if len(data) != n:
-            raise GGUFError(f"{self.where} is truncated (its header ends early at byte {self.f.tell()})")
+            raise self.truncated()
         return data
 
     def unpack(self, fmt: str) -> Any:
@@ -134,6 +140,27 @@ class _Reader:
         except UnicodeDecodeError:
             return raw.decode("utf-8", errors="replace")
 
+    def strings(self, n: int) -> list[str]:
+        """n strings in a row (a vocabulary, the merges): string() with its calls inlined, which
+        took 0.47 s of SmolLM2's load for 98k of them (Gemma 3 has 262k tokens)."""
+        read, length, limit = self.f.read, _U64.unpack, min(_MAX_COUNT, self.size)
+        out = []
+        for _ in range(n):
+            head = read(8)
+            if len(head) != 8:
+                raise self.truncated()
+            (size,) = length(head)
+            if size > limit:
+                raise GGUFError(f"{self.where} is corrupt (a string length count of {size})")
+            raw = read(size)
+            if len(raw) != size:
+                raise self.truncated()
+            try:
+                out.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.append(raw.decode("utf-8", errors="replace"))
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -145,6 +172,8 @@ class _Reader:
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 return list(struct.unpack(f"<{n}{fmt[1]}", self.read(n * struct.calcsize(fmt))))
+            if etype == _STRING:
+                return self.strings(n)
             return [self.value(etype) for _ in range(n)]
         raise GGUFError(f"{self.where} is corrupt (unknown metadata value type {vtype})")
 

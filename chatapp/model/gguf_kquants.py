@@ -70,14 +70,11 @@ def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
     words [..., K * bits / 8]: a little-endian bit stream, value i at bits [i*bits, (i+1)*bits)."""
     if bits == 8:
         return q
-    lead, k = q.shape[:-1], q.shape[-1]
     if bits == 4:
         return q[..., 0::2] | (q[..., 1::2] << 4)
-    eights = q.reshape(*lead, k // 8, 8).astype(np.uint64)
-    word = np.zeros(eights.shape[:-1], np.uint64)
-    for i in range(8):  # 8 values of ``bits`` bits = ``bits`` whole bytes
-        word |= eights[..., i] << np.uint64(bits * i)
-    return np.ascontiguousarray(word[..., None].view(np.uint8)[..., :bits]).reshape(*lead, k * bits // 8)
+    from chatapp.kernels.bitstream import pack_bits_rows
+
+    return pack_bits_rows(q, bits)  # natively: eight numpy passes took 0.38 s of a Q4_K_M load
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
