@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 # at or below their own (same layer: only without circles, checked below).
 LAYERS = {
     "cache": 0, "chatapp": 0, "chatapp.errors": 0, "chatapp.textsafe": 0, "chatapp.config": 0,
-    "chatapp.config_write": 0, "chatapp.config_rules": 0,
+    "chatapp.config_write": 0, "chatapp.config_rules": 0, "chatapp.user_dirs": 0,
     "chatapp.kernels": 1,
     "chatapp.backend": 2,
     "chatapp.model": 3, "chatapp.prompt": 3,

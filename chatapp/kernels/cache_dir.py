@@ -14,6 +14,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from chatapp.user_dirs import user_cache_root
+
 _SOURCE = Path(__file__).resolve().parent
 
 
@@ -35,15 +37,8 @@ def kernel_cache_dir() -> Path:
     """The folder for this source's compiled kernels: under ``$NUMBA_CACHE_DIR`` where it is set
     (the start bench, the precompile test), else under the user's cache for chatapp."""
     root = os.environ.get("NUMBA_CACHE_DIR")
-    if root:
-        base = Path(root)
-    elif os.environ.get("CHATAPP_CACHE_DIR"):
-        base = Path(os.environ["CHATAPP_CACHE_DIR"]).expanduser() / "numba"
-    else:
-        import platformdirs
+    return (Path(root) if root else user_cache_root() / "numba") / source_digest()
 
-        base = Path(platformdirs.user_cache_dir("chatapp")) / "numba"
-    return base / source_digest()
 
 
 def use_kernel_cache_dir() -> None:

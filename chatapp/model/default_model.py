@@ -95,12 +95,10 @@ def is_default_model(spec: str) -> bool:
 
 
 def default_cache_dir() -> Path:
-    """``$CHATAPP_CACHE_DIR`` when set, else the platform's user cache dir for chatapp, + ``models``."""
-    if os.environ.get("CHATAPP_CACHE_DIR"):
-        return Path(os.environ["CHATAPP_CACHE_DIR"]).expanduser() / "models"
-    import platformdirs
+    """``models`` in chatapp's cache (``$CHATAPP_CACHE_DIR`` when set, else the user's cache dir)."""
+    from chatapp.user_dirs import user_cache_root
 
-    return Path(platformdirs.user_cache_dir("chatapp")) / "models"
+    return user_cache_root() / "models"
 
 
 # --------------------------------------------------------------------------------------------
