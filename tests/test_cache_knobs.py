@@ -88,7 +88,7 @@ def test_the_mode_dialog_switches_the_key_layout(stories4_path):
             await pilot.pause()
             dialog.action_apply()
             await wait_until(pilot, lambda: app.info.settings["kv_key_layout"] == "channel"
-                             and not app.bridge.busy, what="the switch")
+                             and not app.engine.busy, what="the switch")
             assert app.info.mode == "prealloc"
 
     run()

@@ -23,9 +23,11 @@ class _FakeSession:
 
     def __init__(self):
         import threading
+        from types import SimpleNamespace
 
         self.calls = []
         self.flag = threading.Event()
+        self.conversation = SimpleNamespace(messages=[])
 
     def load_lines(self):
         return ["loaded"]
@@ -38,7 +40,7 @@ class _FakeSession:
         yield TokenEvent(text, 1, TurnStats())
         yield TurnDone(text, TurnStats())
 
-    def switch_mode(self, mode, **changes):
+    def switch(self, mode, **changes):  # the worker's SwitchMode: within the request it began
         from chatapp.engine.events import SwitchReport
 
         self.calls.append(("switch_mode", mode, "cancelled" if self.flag.is_set() else "clear"))
@@ -87,6 +89,33 @@ def test_worker_dispatches_on_the_request_type_and_says_what_failed():
     assert regenerate_failure.message.startswith("regenerate failed:")  # the fake has no regenerate
 
 
+def test_the_workers_own_turn_that_fails_part_way_still_ends_with_a_turn_done():
+    """With no store part attached the worker runs a Send itself: a reply that raises part-way
+    ends, as the store's turn driver ends it, with a TurnDone marked failed (the text shown, which
+    the conversation keeps as an interrupted reply), then Failed and Idle."""
+
+    class Breaks(_FakeSession):
+        def send(self, text):
+            self.conversation.messages.append(("user", text))
+            return self._reply()
+
+        def _reply(self):
+            yield TokenEvent("half a ", 1, TurnStats(generated_tokens=1))
+            yield TokenEvent("reply", 2, TurnStats(generated_tokens=2))
+            raise RuntimeError("the device went away\nsecond line")
+
+        def keep_interrupted(self, text, seq):
+            self.calls.append(("kept", text, seq))
+
+    session, got = _run_worker([Send("hi")], session=Breaks())
+    assert [type(e) for e in got[1:]] == [TokenEvent, TokenEvent, TurnDone, Failed, Idle]
+    done = got[3]
+    assert done.error == "the device went away" and done.text == "half a reply"
+    assert done.stats.finish == "error" and done.stats.generated_tokens == 2
+    assert session.calls == [("kept", "half a reply", 1)]
+    assert got[4].message == "send failed: the device went away\nsecond line"
+
+
 def test_a_part_takes_request_kinds_through_the_one_dispatcher():
     """A layer above (the store's ChatRequests) takes a request kind with ``handle``: the worker's
     one dispatcher hands it over (the engine's own handling never runs for it), every other kind
@@ -131,9 +160,9 @@ def test_state_changes_carry_the_session_they_produce():
         def describe(self):
             return SessionInfo("fake", self.mode, self.mode, CacheView(mode=self.mode))
 
-        def switch_mode(self, mode, **changes):
+        def switch(self, mode, **changes):
             self.mode = mode
-            return super().switch_mode(mode, **changes)
+            return super().switch(mode, **changes)
 
     _, got = _run_worker([SwitchMode("window"), NewChat(), Regenerate()], session=Described())
     loaded, switched = got[0], next(e for e in got if isinstance(e, engine_events.Switched))

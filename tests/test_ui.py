@@ -91,7 +91,7 @@ async def wait_until(pilot, cond, timeout: float = 30.0, what: str = "condition"
 
 async def ready(pilot) -> None:
     app = pilot.app
-    await wait_until(pilot, lambda: app.loaded and app.info is not None and not app.bridge.busy,
+    await wait_until(pilot, lambda: app.loaded and app.info is not None and not app.engine.busy,
                      what="the model to load")
 
 
@@ -120,7 +120,7 @@ async def turn(pilot, text: str) -> None:
     app = pilot.app
     before = len(app.history)
     await type_and_send(pilot, text)
-    await wait_until(pilot, lambda: len(app.history) > before and not app.bridge.busy, what="the reply")
+    await wait_until(pilot, lambda: len(app.history) > before and not app.engine.busy, what="the reply")
 
 
 async def screen_text(pilot) -> str:
@@ -186,7 +186,7 @@ async def test_send_streams_reply_and_updates_gauges(stories4_path):
         def streaming_seen():
             if app._reply is not None and app.live_stats is not None and app.live_stats.generated_tokens:
                 seen_live.append(status.plain)
-            return len(app.history) == 1 and not app.bridge.busy
+            return len(app.history) == 1 and not app.engine.busy
 
         await wait_until(pilot, streaming_seen, what="the reply")
         reply = replies(app)[-1]
@@ -238,7 +238,7 @@ async def test_empty_and_whitespace_messages_are_ignored(stories4_path):
         await type_and_send(pilot, "")
         await type_and_send(pilot, "   \n\t ")
         await pilot.pause()
-        assert app.entries == [] and not app.bridge.busy and not list(app.query(UserMessage))
+        assert app.entries == [] and not app.engine.busy and not list(app.query(UserMessage))
 
 
 @async_test
@@ -250,7 +250,7 @@ async def test_newline_key_inserts_line_and_enter_sends(stories4_path):
         await pilot.press("H", "i", "ctrl+j", "y", "o")
         assert app.query_one(ChatInput).text == "Hi\nyo"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the reply")
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the reply")
         assert app.entries[0].text == "Hi\nyo"
 
 
@@ -262,7 +262,7 @@ async def test_escape_cancels_a_reply(stories4_path):
         await type_and_send(pilot, "Once upon a time", wait=False)
         await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 5, what="some tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the cancel")
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the cancel")
         stats = app.last_stats
         assert stats.finish == "cancelled" and stats.generated_tokens < 450
         reply = replies(app)[-1]
@@ -274,7 +274,7 @@ async def test_escape_cancels_a_reply(stories4_path):
         await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= stats.generated_tokens + 3,
                          what="the next reply")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="the second cancel")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the second cancel")
         assert app.last_stats.reused_tokens >= app.history[0].prompt_tokens + stats.generated_tokens - 2
 
 
@@ -292,7 +292,7 @@ async def test_messages_sent_during_a_reply_are_queued(stories4_path):
         assert app.query_one(ChatInput).has_class("busy")
         # Esc stops the reply and gives the queued message back to the box instead of sending it.
         await pilot.press("escape")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="the cancel")
+        await wait_until(pilot, lambda: not app.engine.busy, what="the cancel")
         assert app.queued == [] and not queued.is_attached
         assert app.query_one(ChatInput).text == "second"
         # Queued messages are sent in order once the reply ends.
@@ -302,7 +302,7 @@ async def test_messages_sent_during_a_reply_are_queued(stories4_path):
         await type_and_send(pilot, "fourth", wait=False)
         await type_and_send(pilot, "fifth", wait=False)
         assert [w.text for w in app.queued] == ["fourth", "fifth"]
-        await wait_until(pilot, lambda: len(app.history) == 4 and not app.bridge.busy and not app.queued,
+        await wait_until(pilot, lambda: len(app.history) == 4 and not app.engine.busy and not app.queued,
                          timeout=60, what="the queued replies")
         roles = [e.role for e in app.entries]
         assert roles == ["user", "assistant"] * 4
@@ -321,7 +321,7 @@ async def test_regenerate_replaces_the_last_reply(stories4_path):
         await turn(pilot, "Tell me about a dog.")
         first = app.entries[-1].text
         await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="regenerate")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="regenerate")
         assert [e.role for e in app.entries] == ["user", "assistant"]
         assert len(replies(app)) == 1
         assert app.entries[-1].text == first  # greedy: the same reply again
@@ -340,7 +340,7 @@ async def test_edit_last_message(stories4_path):
         assert app.editing and box.text == "Tell me about a dog." and box.has_class("editing")
         box.text = "Tell me about a bird."
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="the edit")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the edit")
         assert [e.role for e in app.entries] == ["user", "assistant"]
         users = list(app.query(UserMessage))
         assert len(users) == 1 and users[0].text == "Tell me about a bird." and "edited" in users[0].tags
@@ -364,7 +364,7 @@ async def test_new_chat_and_clear(stories4_path):
         await turn(pilot, "More")  # the model kept the conversation
         assert app.last_stats.reused_tokens > 20
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="new chat")
+        await wait_until(pilot, lambda: not app.engine.busy, what="new chat")
         assert [e.role for e in app.entries] == ["system"] and app.conv_steps == []
         assert "Be [bold]nice[/]." in await screen_text(pilot)
         await turn(pilot, "Hello")
@@ -384,7 +384,7 @@ async def test_cycle_mode_mid_conversation(stories4_path):
         await ready(pilot)
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f3")  # auto -> concat
-        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.bridge.busy,
+        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.engine.busy,
                          what="the switch")
         assert app.mode == "concat" and "mode concat" in app.query_one(StatusBar).plain
         assert "Switched" in app.event_log and "SessionInfo" not in app.event_log  # Loaded and Switched describe
@@ -401,7 +401,7 @@ async def test_switch_during_a_reply_applies_when_it_ends(stories4_path):
         await type_and_send(pilot, "Once upon a time", wait=False)
         await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 3, what="some tokens")
         app.switch_mode("window", {})
-        await wait_until(pilot, lambda: app.info.mode == "window" and not app.bridge.busy, what="the switch")
+        await wait_until(pilot, lambda: app.info.mode == "window" and not app.engine.busy, what="the switch")
         log = list(app.event_log)
         assert log.index("TurnDone") < log.index("Switched")
         # Switched carried the new session's description: no Describe round-trip after it.
@@ -433,7 +433,7 @@ async def test_mode_dialog_validates_and_switches_and_marks_evicted_messages(sto
         await pilot.pause()
         dialog.action_apply()
         await wait_until(pilot, lambda: app.info.mode == "window" and app.info.settings["window"] == 48
-                         and not app.bridge.busy, what="the switch")
+                         and not app.engine.busy, what="the switch")
         for text in ("Tell me about a cat.", "What did the cat eat?", "Where did it sleep?", "Who was its friend?"):
             await turn(pilot, text)
         first_visible = app.cache_view.first_visible_message
@@ -485,7 +485,7 @@ async def test_a_reply_that_fails_part_way_ends_its_turn(stories4_path, monkeypa
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         await type_and_send(pilot, "Hello")
-        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.bridge.busy, what="the failure")
+        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.engine.busy, what="the failure")
         kinds = list(app.event_log)
         assert "TurnDone" in kinds and kinds.index("TurnDone") < kinds.index("Failed"), kinds
         assert app.failures[-1][0] == "send failed: the device went away"
@@ -505,7 +505,7 @@ async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
         await ready(pilot)
         await turn(pilot, "Hello")
         app.switch_mode("quantized", {})
-        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.bridge.busy, what="the failure")
+        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.engine.busy, what="the failure")
         message, detail = app.failures[-1]
         assert "head_dim" in message and "Traceback" in detail
         notes = [n.message for n in app._notifications]
@@ -524,7 +524,7 @@ async def test_compare_modes(stories4_path):
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f5")
         await wait_until(pilot, lambda: isinstance(app.screen, CompareScreen) and app.screen.done
-                         and not app.bridge.busy, what="the comparison")
+                         and not app.engine.busy, what="the comparison")
         screen = app.screen
         assert [r.mode for r in screen.rows] == MODES
         ok = [r for r in screen.rows if not r.error]
@@ -549,7 +549,7 @@ async def test_side_panel_shows_steps_layers_and_modes(stories4_path):
         assert not panel.display
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f3")
-        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.bridge.busy, what="switch")
+        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.engine.busy, what="switch")
         await turn(pilot, "What did the cat eat?")
         await pilot.press("f2")
         await pilot.pause()
@@ -589,7 +589,7 @@ async def test_memory_gauges_in_the_status_bar_and_the_side_panel(stories4_path)
         text = await screen_text(pilot)
         assert "MLX memory over the conversation" in text and "MLX active" in text and "buffer cache" in text
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="new chat")
+        await wait_until(pilot, lambda: not app.engine.busy, what="new chat")
         assert app.conv_memory == []
 
 
@@ -654,7 +654,7 @@ async def test_the_input_box_takes_messages_while_the_model_loads(stories4_path)
         queued = [w for w in app.query(UserMessage) if "queued" in w.tags]
         assert [w.text for w in queued] == ["Once upon a time"] and box.text == ""
         gate.set()
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the queued reply")
+        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the queued reply")
         assert not app.queued and [w.text for w in app.query(UserMessage)] == ["Once upon a time"]
         assert not any("queued" in w.tags for w in app.query(UserMessage))
         assert len(replies(app)) == 1 and replies(app)[0].text

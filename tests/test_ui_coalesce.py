@@ -105,7 +105,7 @@ def test_the_status_bar_is_rebuilt_a_few_times_a_second_while_a_reply_streams(st
             await type_and_send(pilot, "Once upon a time", wait=False)
             await wait_until(pilot, lambda: "TokenEvent" in app.event_log, what="the first token")
             first = time.monotonic()
-            await wait_until(pilot, lambda: len(app.history) == 1 and not app.bridge.busy, what="the reply")
+            await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the reply")
             last = time.monotonic()
             tokens = app.event_log.count("TokenEvent")
             assert app.last_stats.generated_tokens == 400 and tokens >= 400

@@ -172,7 +172,7 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
         assert isinstance(app.screen, SystemPromptDialog)
         app.screen.query_one("#system-text").text = "You tell short stories about cats and dogs."
         await pilot.press("ctrl+s")
-        await wait_until(pilot, lambda: not app.bridge.busy and app.entries[0].role == "system", what="the change")
+        await wait_until(pilot, lambda: not app.engine.busy and app.entries[0].role == "system", what="the change")
         assert [e.role for e in app.entries] == ["system", "user", "assistant"]
         assert app.entries[0].widget.cache_state == "pending"  # not prefilled until the next turn
         assert app.bridge.chat.session.cached == []
@@ -186,10 +186,10 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
         # Another conversation with the same system prompt: its first turn stored the system
         # prompt in the prefix store, so a new chat starts warm from it.
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        await wait_until(pilot, lambda: not app.engine.busy, what="the new chat")
         await turn(pilot, "A bird")
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        await wait_until(pilot, lambda: not app.engine.busy, what="the new chat")
         assert app.entries[0].role == "system"  # kept for the new chat, as the session keeps it
         await turn(pilot, "A fish")
         assert app.last_stats.prefix_tokens > 0
@@ -235,7 +235,7 @@ async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_t
         assert not dialog.loading_spec and "not switched" in await screen_text(pilot)
         monkeypatch.undo()
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading_spec),
+        await wait_until(pilot, lambda: not app.engine.busy and (app.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
         assert app.model_dialog is None and app.model_id.endswith("stories260K")
 
@@ -252,7 +252,7 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
         dialog = await open_model_dialog(pilot)
         dialog.query_one("#model-input").value = str(tmp_path / "no-such-model")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.bridge.busy and not dialog.loading_spec, what="the failed load")
+        await wait_until(pilot, lambda: not app.engine.busy and not dialog.loading_spec, what="the failed load")
         text = await screen_text(pilot)
         assert "cannot load" in text and app.screen is dialog
         assert app.bridge.chat.session is old_session() and [(e.role, e.text) for e in app.entries] == before
@@ -262,7 +262,7 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
         # The switch has ended when its result is in: the dialog let go (loaded) or shows why not
         # (failed). A failed load fails here with its line, not as a wait for a dialog that stays.
         # (The switch compiles no kernels: neither stories model reaches them at load; 0.3 s.)
-        await wait_until(pilot, lambda: not app.bridge.busy and (app.model_dialog is None or not dialog.loading_spec),
+        await wait_until(pilot, lambda: not app.engine.busy and (app.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
         assert app.model_dialog is None, f"the switch failed:\n{await screen_text(pilot)}"
         await wait_until(pilot, lambda: not isinstance(app.screen, ModelDialog), what="the dialog to close")

@@ -63,7 +63,7 @@ async def test_markers_follow_the_cache_and_the_first_eviction_is_noted_once():
 
         # A switch to prealloc re-prefills every token: every marker turns to held.
         app.switch_mode("prealloc")
-        await wait_until(pilot, lambda: not app.bridge.busy and app.info.mode == "prealloc", what="the switch")
+        await wait_until(pilot, lambda: not app.engine.busy and app.info.mode == "prealloc", what="the switch")
         assert set(states(app)) == {"held"}
 
         await pilot.press("f1")
@@ -105,7 +105,7 @@ async def test_a_resumed_conversation_is_marked_restored(stories4_path, tmp_path
     app = ChatApp(config, freeze_stats=True, resume="latest")
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        await wait_until(pilot, lambda: len(app.entries) == 2 and not app.bridge.busy, what="the resume")
+        await wait_until(pilot, lambda: len(app.entries) == 2 and not app.engine.busy, what="the resume")
         await wait_until(pilot, lambda: states(app) == ["restored", "restored"], what="the markers")
         assert "kv restored" in await screen_text(pilot)
         await turn(pilot, "The cat")

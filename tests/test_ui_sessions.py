@@ -78,7 +78,7 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         text = await screen_text(pilot)
         assert "Once upon a time" in text and "stories260K-4bit" in text and "Saved conversations" in text
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_id == conv.id and not app.bridge.busy,
+        await wait_until(pilot, lambda: app.conversation_id == conv.id and not app.engine.busy,
                          what="the conversation to open")
         assert not isinstance(app.screen, SessionsScreen)
         assert [(e.role, e.text) for e in app.entries] == [("user", "Once upon a time"), ("assistant", reply_text)]
@@ -102,7 +102,7 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         box = app.screen.query_one("#rename-input")
         box.value = "Cats"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_title == "Cats" and not app.bridge.busy,
+        await wait_until(pilot, lambda: app.conversation_title == "Cats" and not app.engine.busy,
                          what="the rename")
         assert isinstance(app.screen, SessionsScreen)
         assert app.screen.rows[0].title == "Cats" and app.screen.rows[0].messages == 4
@@ -115,7 +115,7 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         assert isinstance(app.screen, SessionsScreen) and len(stored(tmp_path)) == 1
         await pilot.press("d")
         await pilot.press("y")
-        await wait_until(pilot, lambda: not app.bridge.busy and app.entries == [], what="the delete")
+        await wait_until(pilot, lambda: not app.engine.busy and app.entries == [], what="the delete")
         assert stored(tmp_path) == [] and not snapshot_path(tmp_path, conv.id).exists()
         assert isinstance(app.screen, SessionsScreen) and app.screen.rows == []
         assert "no saved conversations" in await screen_text(pilot)
@@ -138,17 +138,17 @@ async def test_resume_at_start_regenerate_edit_and_cancel_are_saved(stories4_pat
         app = pilot.app
         await turn(pilot, "Once upon a time")
         await pilot.press("ctrl+r")  # regenerate: the stored reply is replaced
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.bridge.busy, what="the regenerate")
+        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the regenerate")
         await pilot.press("ctrl+o")  # edit the last message and resend it
         app.query_one(ChatInput).text = "The dog"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 3 and not app.bridge.busy, what="the edit")
+        await wait_until(pilot, lambda: len(app.history) == 3 and not app.engine.busy, what="the edit")
         # A reply stopped with Esc is saved, marked interrupted.
         before = app.event_log.count("TokenEvent")
         await turn_nowait(pilot, "And then")
         await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= before + 5, what="some tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 4 and not app.bridge.busy, what="the cancel")
+        await wait_until(pilot, lambda: len(app.history) == 4 and not app.engine.busy, what="the cancel")
         assert app.last_stats.finish == "cancelled"
 
     await run_and_quit(first, chat)
@@ -194,7 +194,7 @@ async def test_busy_data_dir_runs_in_memory_with_one_note(stories4_path, tmp_pat
             assert isinstance(app.screen, SessionsScreen) and app.screen.rows == []
             await pilot.press("escape")
             app.delete_conversation(1)
-            await wait_until(pilot, lambda: len(app.store_notes) == 2 and not app.bridge.busy,
+            await wait_until(pilot, lambda: len(app.store_notes) == 2 and not app.engine.busy,
                              what="the refusal")
             assert app.store_notes[-1][0] == "error" and "not saving" in app.store_notes[-1][1]
             await pilot.press("ctrl+q")
@@ -237,7 +237,7 @@ async def test_a_first_turn_brings_its_conversation_id_to_the_ui(stories4_path, 
         assert isinstance(app.screen, SessionsScreen) and app.screen.current == conv.id
         await pilot.press("escape")
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: not app.bridge.busy, what="the new chat")
+        await wait_until(pilot, lambda: not app.engine.busy, what="the new chat")
         assert app.conversation_id is None
 
     await run_and_quit(app, chat)

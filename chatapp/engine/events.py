@@ -88,6 +88,16 @@ class TurnDone:
     # follows with the traceback; the TurnDone lets every front end end the turn all the same.
     error: str = ""
 
+    @classmethod
+    def failed(cls, error: BaseException, shown: str, stats: TurnStats | None,
+               conversation_id: int | None = None) -> "TurnDone":
+        """The TurnDone of a reply that raised part-way (every turn driver sends it before the
+        exception goes on): ``shown``, the text streamed before it, the statistics so far."""
+        stats = stats if stats is not None else TurnStats()
+        stats.finish = "error"
+        line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return cls(shown, stats, conversation_id=conversation_id, error=line)
+
 
 @dataclass
 class Loaded:

@@ -132,12 +132,15 @@ class Session:
 
     def switch_mode(self, mode: str, **changes) -> SwitchReport:
         """Switch the cache mode (and settings) now: convert the live cache, or re-prefill.
-        A request of its own (the F3 key, ``/mode``): it starts with a clear cancel flag."""
+        A request of its own for a front end that drives the Session directly (``--no-tui``'s
+        ``/mode``, the benches): it starts with a clear cancel flag, then :meth:`switch`."""
         self.start_request()
-        return self._switch(mode, **changes)
+        return self.switch(mode, **changes)
 
-    def _switch(self, mode: str, **changes) -> SwitchReport:
-        """:meth:`switch_mode` within a request already running (a turn's auto policy, a restore)."""
+    def switch(self, mode: str, **changes) -> SwitchReport:
+        """Switch the cache mode within a request already running, keeping its cancel flag: the
+        engine worker's ``SwitchMode`` (the worker cleared the flag as the request began), a turn's
+        auto policy, a restore."""
         if mode == AUTO:
             target = self._long_mode() if len(self.cached) > self.long_after else AUTO_STARTS_AS
         else:
@@ -166,7 +169,7 @@ class Session:
         """Auto mode: AUTO_STARTS_AS while short, the long-history policy once past ``long_after``."""
         if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
             return None
-        report = self._switch(AUTO)
+        report = self.switch(AUTO)
         self.requested_mode = AUTO
         return report
 
@@ -546,7 +549,7 @@ class Session:
         if fits and settings == self._settings_for(settings.mode):
             return None
         requested = self.requested_mode
-        report = self._switch(requested)
+        report = self.switch(requested)
         self.requested_mode = requested
         return report
 
@@ -563,7 +566,7 @@ class Session:
         on it."""
         if self.requested_mode != AUTO or self.settings.evicts:
             return None
-        report = self._switch(self._long_mode())
+        report = self.switch(self._long_mode())
         self.requested_mode = AUTO
         return report
 

@@ -23,7 +23,7 @@ import traceback
 from typing import Any, Callable
 
 from .compare import compare_modes
-from .events import CompareResult, Failed, Idle, Loaded, SessionInfo, Switched
+from .events import CompareResult, Failed, Idle, Loaded, SessionInfo, Switched, TokenEvent, TurnDone
 from .requests import Compare, Describe, EditLast, NewChat, Quit, Regenerate, Request, Send, SwitchMode
 from .session import Session
 
@@ -107,7 +107,9 @@ class EngineWorker:
             case EditLast(text):
                 self._stream(s.edit_last(text))
             case SwitchMode(mode, changes):
-                self._emit(Switched(s.switch_mode(mode, **changes), self.describe()))
+                # The switch within this request (``_serve`` cleared the cancel flag as it began),
+                # its event made here with the session it produced: the front end asks nothing more.
+                self._emit(Switched(s.switch(mode, **changes), self.describe()))
             case Compare(modes, max_tokens):
                 # One row per mode, sent as each finishes; a cancel ends the comparison early.
                 for n, row in enumerate(compare_modes(s, list(modes), max_tokens=max_tokens)):
@@ -134,5 +136,21 @@ class EngineWorker:
             self._emit(info)
 
     def _stream(self, events) -> None:
-        for ev in events:
-            self._emit(ev)
+        """The worker's own turns (no part above took them), ended as the store's turn driver
+        (``PersistentChat.turn``) ends them: a reply that raises part-way still ends with a TurnDone
+        marked failed (what was shown, which the conversation keeps as interrupted), then the
+        exception goes on to ``_serve``'s Failed."""
+        seq = len(self.session.conversation.messages)  # where the reply goes (the user's message is in)
+        done, shown, stats = False, "", None
+        try:
+            for ev in events:
+                done = done or isinstance(ev, TurnDone)
+                if isinstance(ev, TokenEvent):
+                    shown += ev.text
+                stats = getattr(ev, "stats", stats)
+                self._emit(ev)
+        except Exception as e:
+            if not done:
+                self.session.keep_interrupted(shown, seq)
+                self._emit(TurnDone.failed(e, shown, stats))
+            raise

@@ -28,7 +28,6 @@ from typing import Callable, Iterator
 
 from chatapp.engine.events import TokenEvent, TurnDone
 from chatapp.engine.requests import EditLast, Regenerate, Send
-from chatapp.engine.stats import TurnStats
 from chatapp.prompt.conversation import Conversation, common_prefix
 
 from .db import ChatStore, StoreError, describe_sqlite_error
@@ -212,21 +211,13 @@ class PersistentChat(SnapshotResume):
                 emit(ev)
         except Exception as e:
             if done is None:  # the reply failed part-way: the turn still ends, marked failed
-                emit(self._failed_turn(e, shown, stats))
+                emit(TurnDone.failed(e, shown, stats, self.conversation_id))
             raise
         finally:
             notes(self.take_notes())
         self.after_turn()  # the turn is over, the caches idle: the snapshot, then the prefix store
         notes(self.take_notes())
         return TurnResult(done)
-
-    def _failed_turn(self, error: Exception, shown: str, stats: TurnStats | None) -> TurnDone:
-        """The TurnDone of a reply that raised part-way: ``shown``, the text streamed before it
-        (``_record`` has kept it, marked interrupted, and saved it), the statistics so far."""
-        stats = stats if stats is not None else TurnStats()
-        stats.finish = "error"
-        line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return TurnDone(shown, stats, conversation_id=self.conversation_id, error=line)
 
     def send(self, text: str) -> Iterator:
         """Add a user message and stream the reply (the session's events), saving both."""

@@ -4,8 +4,9 @@ Threading: every model operation runs on the engine worker's thread
 (:class:`chatapp.engine.worker.EngineWorker`, owned by :class:`chatapp.ui.bridge.EngineBridge`),
 which takes the typed requests of :mod:`chatapp.engine.requests`. Its events arrive here, in
 order, on the UI thread, one Textual message per kind (:mod:`chatapp.ui.messages`); the app's one
-``@on(EngineMessage)`` dispatcher hands each to its part :class:`~chatapp.ui.engine_link.EngineClient`
-(``self.engine``: the bridge, the streaming reply, the status bar and the side panel). The
+``@on(EngineMessage)`` handler (:func:`~chatapp.ui.engine_link.deliver`) runs each kind's handler on
+its part :class:`~chatapp.ui.engine_link.EngineClient` (``self.engine``: the bridge, the requests in
+flight, the streaming reply, the status bar and the side panel). The
 messages on screen are the transcript mirror's (``self.transcript``, ui/transcript.py) and the
 comforts a third part (``self.comforts``, ui/comforts.py). This module holds the layout, the
 input, the actions and the command palette, and wires the parts.
@@ -34,12 +35,23 @@ from textual.widgets import Footer
 
 from cache.settings import DIALOG_KNOBS, knob_values
 from chatapp.engine.events import SessionInfo
-from chatapp.engine.requests import Compare, EditLast, NewChat, Regenerate, Request, Send, SwitchMode
+from chatapp.engine.requests import (
+    Compare,
+    DeleteConversation,
+    EditLast,
+    NewChat,
+    OpenConversation,
+    Regenerate,
+    RenameConversation,
+    Request,
+    Send,
+    SwitchMode,
+)
 
 from . import start_probe
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
 from .dialogs import ModelDialog
-from .engine_link import INPUT_TITLE, EngineClient
+from .engine_link import INPUT_TITLE, EngineClient, deliver
 from .format import MODES, next_mode
 from .messages import EngineMessage
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
@@ -135,12 +147,9 @@ class ChatApp(App[int]):
         # copy, export, themes, system prompt, model switch: a part with its own state (ui/comforts.py)
         self.comforts = Comforts(self, self.engine.bridge.data_dir)
 
-    # ---- the engine's messages: the one dispatcher, handled by the engine client ------------------------
-    @on(EngineMessage)
-    async def _on_engine(self, message: EngineMessage) -> None:
-        """Every engine event arrives here (its message subclasses EngineMessage) and goes to the
-        engine client, which records its kind and runs the kind's handler."""
-        await self.engine.dispatch(message)
+    # ---- the engine's messages: every one (its message subclasses EngineMessage) goes to its kind's
+    # handler on the engine client, through the one dispatcher (engine_link.deliver)
+    _on_engine = on(EngineMessage)(deliver)
 
     # ---- the comforts' host face (ComfortHost): the engine client does the work ------------------------
     def submit(self, request: Request) -> None:
@@ -220,27 +229,24 @@ class ChatApp(App[int]):
         """Show a saved conversation and continue it (its KV snapshot is restored when it fits)."""
         if self.refuse_busy("open"):
             return
-        self.engine.bridge.open_conversation(conversation_id)  # TranscriptLoaded brings the session's description
-        self.engine.update_input_state()
+        self.engine.submit(OpenConversation(conversation_id))  # TranscriptLoaded brings the session's description
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
-        self.engine.bridge.rename_conversation(conversation_id, title)
-        self.engine.update_input_state()
+        self.engine.submit(RenameConversation(conversation_id, title))
 
     def delete_conversation(self, conversation_id: int) -> None:
         if self.refuse_busy("delete"):
             return
-        self.engine.bridge.delete_conversation(conversation_id)
-        self.engine.update_input_state()
+        self.engine.submit(DeleteConversation(conversation_id))
 
     def refuse_busy(self, what: str) -> bool:
         if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return True
-        if self.engine.bridge.busy:
+        if self.engine.busy:
             self.notify(f"{what}: wait for the reply to finish (Esc stops it)", severity="warning", markup=False)
             return True
         return False
@@ -264,7 +270,7 @@ class ChatApp(App[int]):
             await self._resend_edited(text)
             return
         message.chat_input.clear()
-        if self.engine.bridge.busy or self.transcript.queued:
+        if self.engine.busy or self.transcript.queued:
             await self.transcript.queue(text)
         else:
             await self.send(text)
@@ -409,7 +415,7 @@ class ChatApp(App[int]):
                 mode, changes = result
                 self.switch_mode(mode, changes)
 
-        dialog = ModeDialog(self.engine.requested_mode, settings, effective, busy=self.engine.bridge.busy)
+        dialog = ModeDialog(self.engine.requested_mode, settings, effective, busy=self.engine.busy)
         self.push_screen(dialog, done)
 
     def action_compare(self) -> None:

@@ -3,11 +3,11 @@
 :class:`EngineWorker` runs all MLX work on its own thread and reports events through a
 callback that runs on that thread; the store's part of that thread
 (:class:`~chatapp.store.chat_requests.ChatRequests`: the saved chat, its turns and conversations)
-is held by the worker and reports through the same callback. :class:`EngineBridge` owns the
-worker, turns each event into the Textual message of its kind
+is held by the worker and reports through the same callback. :class:`EngineBridge` starts and
+stops the worker and turns each event into the Textual message of its kind
 (:func:`chatapp.ui.messages.message_for`; ``post_message`` is thread-safe: it hands the message
-to the app's event loop with ``call_soon_threadsafe``), and keeps the requests in flight, oldest
-first: the one busy state of the UI.
+to the app's event loop with ``call_soon_threadsafe``). Requests go to ``worker.submit`` from the
+engine client (ui/engine_link.py), which keeps the requests in flight: the one busy state of the UI.
 """
 
 from __future__ import annotations
@@ -16,16 +16,9 @@ import copy
 import threading
 import time
 import traceback
-from collections import deque
 from typing import Any, Callable
 
 from chatapp.engine.events import LoadProgress, PrefillProgress, StartupFailed, TokenEvent
-from chatapp.engine.requests import (
-    DeleteConversation,
-    OpenConversation,
-    RenameConversation,
-    Request,
-)
 
 from .messages import message_for
 
@@ -34,8 +27,7 @@ class EngineBridge:
     """Starts the engine worker and forwards its events as Textual messages (``ui.messages``).
 
     ``post`` receives each message on the engine thread; it must be thread-safe (``App.post_message``
-    is). ``in_flight`` holds the submitted requests whose ``Idle`` has not come back yet, oldest
-    first; only the UI thread touches it, and ``busy`` is whether it holds any.
+    is). ``worker`` is the engine worker once started (``worker.submit`` takes the requests).
     """
 
     def __init__(self, config, post: Callable[[Any], Any], *, save: bool = True, resume: int | str | None = None):
@@ -45,7 +37,6 @@ class EngineBridge:
         self.resume = resume
         self.requests = None  # the store's part of the engine thread (store/chat_requests.py), once started
         self.worker = None
-        self.in_flight: deque[Request] = deque()
         self.started_at = 0.0
         self._stopping = False
         self._lock = threading.Lock()
@@ -94,33 +85,10 @@ class EngineBridge:
             self.requests.attach(self.worker)
             self.worker.start()
 
-    def submit(self, request: Request) -> None:
-        self.in_flight.append(request)
-        self.worker.submit(request)
-
-    # -- saved conversations (the sessions screen); each runs on the engine thread (ChatRequests) -------
     def data_dir(self):
         from chatapp.store import resolve_data_dir
 
         return resolve_data_dir(self.config)
-
-    def open_conversation(self, conversation_id: int) -> None:
-        """Make a saved conversation the session's, resumed from its KV snapshot when it fits."""
-        self.submit(OpenConversation(conversation_id))
-
-    def rename_conversation(self, conversation_id: int, title: str) -> None:
-        self.submit(RenameConversation(conversation_id, title))
-
-    def delete_conversation(self, conversation_id: int) -> None:
-        self.submit(DeleteConversation(conversation_id))
-
-    def idle(self) -> Request | None:
-        """An ``Idle`` came back: the oldest request in flight is done; returns it."""
-        return self.in_flight.popleft() if self.in_flight else None
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.in_flight)
 
     def cancel(self) -> None:
         if self.worker is not None:

@@ -6,10 +6,11 @@ The client owns its state (created by its own ``__init__``) and reaches the app 
 and the comforts' part); the app reads the client's state through ``app.engine`` and never the
 other way round by private name. Each kind of engine event arrives as its own message
 (:mod:`chatapp.ui.messages`, all subclasses of ``EngineMessage``); the app's one
-``@on(EngineMessage)`` dispatcher hands it to :meth:`EngineClient.dispatch`, which records its
-``kind`` in ``event_log`` and runs the kind's handler, a method marked ``@handles(<event type>)``
+``@on(EngineMessage)`` handler is :func:`deliver`, which records its ``kind`` in the client's
+``event_log`` and runs the kind's handler on the client, a method marked ``@handles(<event type>)``
 (``HANDLERS``). The comforts' results go on to their part (``host.comforts``, ui/comforts.py).
-The one busy state is the bridge's: the requests in flight (``bridge.in_flight``, ``bridge.busy``).
+The one busy state is the client's: the requests in flight (``in_flight``, ``busy``), which it
+puts on the engine worker's queue itself (``submit``).
 
 The messages on screen are the transcript mirror's (ui/transcript.py, the app's second part, given
 to the client): the engine's message indexes (``CacheView.first_visible_message``) map to its
@@ -87,6 +88,21 @@ def handles(*kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
+async def deliver(app: "HasEngine", message: EngineMessage) -> None:
+    """The app's one ``@on(EngineMessage)`` handler (``ChatApp._on_engine`` is this function):
+    every engine event's kind is recorded in the client's ``event_log`` and the kind's handler,
+    looked up by the event's type, runs on the client (``app.engine``; one handler per kind)."""
+    client = app.engine
+    client.event_log.append(message.kind)
+    result = HANDLERS[type(message.event)](client, message.event)
+    if inspect.isawaitable(result):
+        await result
+
+
+class HasEngine(Protocol):
+    engine: "EngineClient"
+
+
 class EngineHost(Protocol):
     """What the engine client uses of the app (``ChatApp``): Textual's screens, widgets and
     notifications, the configuration (which a model switch replaces) and the comforts' part."""
@@ -150,22 +166,18 @@ class EngineClient:
         self._pending_text = ""
         self._stream_lock: asyncio.Lock | None = None
         self._seen_notices: set[str] = set()
+        self.in_flight: deque[Request] = deque()  # submitted, their Idle not back yet, oldest first
         self.event_log: deque[str] = deque(maxlen=2000)  # engine event names, newest last (tests, debugging)
         self.status_rate = Coalescer(self._rebuild_status)  # status-bar rebuilds at a steady rate
+        # Rebuild the status bar now (per-token figures go through ``status_rate.request``): the
+        # coalescer's ``now``, so it counts as the interval's rebuild.
+        self.update_status: Callable[[], None] = self.status_rate.now
 
     def mounted(self) -> None:
         """The app is mounted: the streaming reply's lock belongs to its event loop."""
         self._stream_lock = asyncio.Lock()
 
-    # ---- engine messages: one dispatcher, one handler per kind -----------------------------------------
-    async def dispatch(self, message: EngineMessage) -> None:
-        """Every engine event the app's one ``@on(EngineMessage)`` receives comes here: the kind is
-        recorded and its handler, looked up by the event's type, runs (one handler per kind)."""
-        self.event_log.append(message.kind)
-        result = HANDLERS[type(message.event)](self, message.event)
-        if inspect.isawaitable(result):
-            await result
-
+    # ---- engine messages: one handler per kind (``deliver`` runs it) --------------------------------------
     @handles(LoadProgress)
     async def _loading(self, ev: LoadProgress) -> None:
         if self.loading_screen is None and not self.loaded and ev.phase == "download":
@@ -213,12 +225,6 @@ class EngineClient:
         self.phase = f"prefill {ev.done * 100 // max(ev.total, 1)}%"
         self.status_rate.request()
 
-    @handles(Switched)
-    def _switched(self, ev: Switched) -> None:
-        self.host.notify(ev.report.line(), title="cache mode", markup=False)
-        self.mode = ev.report.mode
-        self.show_session(ev.info)
-
     @handles(CompareResult)
     def _compare_row(self, ev: CompareResult) -> None:
         self.compare_rows.append(ev.row)
@@ -250,7 +256,7 @@ class EngineClient:
         if self.transcript.queued:  # typed while loading: after what the load showed, then sent in turn
             for text in await self.transcript.take_queued():
                 await self.transcript.queue(text)
-            if not self.bridge.busy:
+            if not self.busy:
                 await self.send_queued()
         self.host.query_one(ChatInput).focus()
         self.host.refresh_bindings()  # the main actions a load held back (ChatApp.check_action)
@@ -258,10 +264,14 @@ class EngineClient:
         self.update_status()
         start_probe.reached("ready")
 
-    @handles(SessionInfo)
-    def show_session(self, info: SessionInfo | None) -> None:
+    @handles(SessionInfo, Switched)
+    def show_session(self, info: SessionInfo | Switched | None) -> None:
         """A state change's event came with the session it produced (or it is the description
-        itself): show it, no second request. None: only the status bar is rebuilt."""
+        itself): show it, no second request. A cache-mode switch (``Switched``: F3, the mode dialog)
+        says its report, then shows the session it brought. None: only the status bar is rebuilt."""
+        if isinstance(info, Switched):
+            self.host.notify(info.report.line(), title="cache mode", markup=False)
+            self.mode, info = info.report.mode, info.info
         if info is None:
             self.update_status()
             return
@@ -335,7 +345,7 @@ class EngineClient:
 
     @handles(Idle)
     async def _idle(self, _ev: Idle) -> None:
-        request = self.bridge.idle()
+        request = self.in_flight.popleft() if self.in_flight else None  # the oldest request is done
         match request:
             case Send() | Regenerate() | EditLast() if self.reply is not None:
                 # The request ended without a TurnDone: it failed before its reply began (the
@@ -346,7 +356,7 @@ class EngineClient:
                 self.live_stats = None
             case Compare() if self.compare_screen is not None:
                 self.compare_screen.finish()
-        if not self.bridge.busy:
+        if not self.busy:
             self.phase = ""
             if self.transcript.queued:
                 await self.send_queued()
@@ -468,9 +478,15 @@ class EngineClient:
         self.update_status()
 
     def submit(self, request: Request) -> None:
-        """Hand ``request`` to the engine thread (it is in flight, the app busy, until its Idle)."""
-        self.bridge.submit(request)
+        """Put ``request`` on the engine worker's queue (it is in flight, the app busy, until its Idle)."""
+        self.in_flight.append(request)
+        self.bridge.worker.submit(request)
         self.update_input_state()
+
+    @property
+    def busy(self) -> bool:
+        """Requests in flight: the one busy state of the UI."""
+        return bool(self.in_flight)
 
     # ---- status and panel ---------------------------------------------------------------------------------
     def mode_label(self) -> str:
@@ -494,10 +510,6 @@ class EngineClient:
         self.phase = phase
         self.update_status()
 
-    def update_status(self) -> None:
-        """Rebuild the status bar now (per-token figures go through ``status_rate.request``)."""
-        self.status_rate.now()
-
     def _rebuild_status(self) -> None:
         if not self.host.is_mounted:
             return
@@ -507,7 +519,7 @@ class EngineClient:
         if self.reply is not None:
             phase = "streaming" if self.live_stats and self.live_stats.generated_tokens else self.phase or "thinking"
         else:
-            phase = self.phase or ("busy" if self.bridge.busy else "")
+            phase = self.phase or ("busy" if self.busy else "")
         try:
             bar = self.host.query_one(StatusBar)
         except Exception:  # noqa: BLE001 - not composed yet
@@ -528,7 +540,7 @@ class EngineClient:
             chat_input = self.host.query_one(ChatInput)
         except Exception:  # noqa: BLE001
             return
-        busy = self.bridge.busy
+        busy = self.busy
         chat_input.set_class(busy, "busy")
         chat_input.set_class(self.editing, "editing")
         chat_input.border_title = (LOADING_TITLE if not self.loaded else EDIT_TITLE if self.editing
