@@ -79,7 +79,7 @@ def test_the_mode_dialog_switches_the_key_layout(stories4_path):
         app = make_app(stories4_path)
         async with app.run_test(size=(100, 40)) as pilot:
             await ready(pilot)
-            assert app.info.settings["kv_key_layout"] == "token"
+            assert app.engine.info.settings["kv_key_layout"] == "token"
             await pilot.press("f4")
             await wait_until(pilot, lambda: isinstance(app.screen, ModeDialog), what="the dialog")
             dialog = app.screen
@@ -87,9 +87,9 @@ def test_the_mode_dialog_switches_the_key_layout(stories4_path):
             dialog.query_one("#f-kv_key_layout").value = "channel"
             await pilot.pause()
             dialog.action_apply()
-            await wait_until(pilot, lambda: app.info.settings["kv_key_layout"] == "channel"
+            await wait_until(pilot, lambda: app.engine.info.settings["kv_key_layout"] == "channel"
                              and not app.engine.busy, what="the switch")
-            assert app.info.mode == "prealloc"
+            assert app.engine.info.mode == "prealloc"
 
     run()
 

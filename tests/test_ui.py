@@ -91,7 +91,7 @@ async def wait_until(pilot, cond, timeout: float = 30.0, what: str = "condition"
 
 async def ready(pilot) -> None:
     app = pilot.app
-    await wait_until(pilot, lambda: app.loaded and app.info is not None and not app.engine.busy,
+    await wait_until(pilot, lambda: app.engine.loaded and app.engine.info is not None and not app.engine.busy,
                      what="the model to load")
 
 
@@ -118,9 +118,9 @@ async def type_and_send(pilot, text: str, wait: bool = True) -> None:
 async def turn(pilot, text: str) -> None:
     """Send a message and wait for its reply to finish."""
     app = pilot.app
-    before = len(app.history)
+    before = len(app.engine.history)
     await type_and_send(pilot, text)
-    await wait_until(pilot, lambda: len(app.history) > before and not app.engine.busy, what="the reply")
+    await wait_until(pilot, lambda: len(app.engine.history) > before and not app.engine.busy, what="the reply")
 
 
 async def screen_text(pilot) -> str:
@@ -181,21 +181,22 @@ async def test_send_streams_reply_and_updates_gauges(stories4_path):
         assert "stories260K-4bit" in status.plain and "auto→prealloc" in status.plain
         seen_live = []
         await type_and_send(pilot, "Tell me a story about a cat.", wait=False)
-        assert app.entries[0].role == "user" and app.query_one(ChatInput).text == ""
+        assert app.transcript.entries[0].role == "user" and app.query_one(ChatInput).text == ""
 
         def streaming_seen():
-            if app._reply is not None and app.live_stats is not None and app.live_stats.generated_tokens:
+            engine = app.engine
+            if engine.reply is not None and engine.live_stats is not None and engine.live_stats.generated_tokens:
                 seen_live.append(status.plain)
-            return len(app.history) == 1 and not app.engine.busy
+            return len(app.engine.history) == 1 and not app.engine.busy
 
         await wait_until(pilot, streaming_seen, what="the reply")
         reply = replies(app)[-1]
-        stats = app.last_stats
+        stats = app.engine.last_stats
         # Text arrived in batches while streaming, and the widget ends with the reply exactly.
-        assert app.event_log.count("TokenEvent") >= stats.generated_tokens > 20
+        assert app.engine.event_log.count("TokenEvent") >= stats.generated_tokens > 20
         assert reply.appends >= 1 and reply.finished
         assert reply.markdown.source.strip() == reply.text.strip() and reply.text
-        assert app.entries[-1].role == "assistant" and app.entries[-1].text == reply.text
+        assert app.transcript.entries[-1].role == "assistant" and app.transcript.entries[-1].text == reply.text
         # The status bar was live during the turn (estimated cache marked "~") and exact after it.
         assert seen_live and any("~" in s for s in seen_live)
         final = status.plain
@@ -238,7 +239,7 @@ async def test_empty_and_whitespace_messages_are_ignored(stories4_path):
         await type_and_send(pilot, "")
         await type_and_send(pilot, "   \n\t ")
         await pilot.pause()
-        assert app.entries == [] and not app.engine.busy and not list(app.query(UserMessage))
+        assert app.transcript.entries == [] and not app.engine.busy and not list(app.query(UserMessage))
 
 
 @async_test
@@ -250,8 +251,8 @@ async def test_newline_key_inserts_line_and_enter_sends(stories4_path):
         await pilot.press("H", "i", "ctrl+j", "y", "o")
         assert app.query_one(ChatInput).text == "Hi\nyo"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the reply")
-        assert app.entries[0].text == "Hi\nyo"
+        await wait_until(pilot, lambda: len(app.engine.history) == 1 and not app.engine.busy, what="the reply")
+        assert app.transcript.entries[0].text == "Hi\nyo"
 
 
 @async_test
@@ -260,22 +261,22 @@ async def test_escape_cancels_a_reply(stories4_path):
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "Once upon a time", wait=False)
-        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 5, what="some tokens")
+        await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= 5, what="some tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the cancel")
-        stats = app.last_stats
+        await wait_until(pilot, lambda: len(app.engine.history) == 1 and not app.engine.busy, what="the cancel")
+        stats = app.engine.last_stats
         assert stats.finish == "cancelled" and stats.generated_tokens < 450
         reply = replies(app)[-1]
         assert "interrupted" in reply.tags and reply.has_class("interrupted")
         assert "interrupted" in await screen_text(pilot)
         # The partial reply is kept in the conversation (and in the cache), and the chat goes on.
-        assert app.entries[-1].role == "assistant" and app.entries[-1].text == reply.text
+        assert app.transcript.entries[-1].role == "assistant" and app.transcript.entries[-1].text == reply.text
         await type_and_send(pilot, "What next?", wait=False)
-        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= stats.generated_tokens + 3,
+        await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= stats.generated_tokens + 3,
                          what="the next reply")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the second cancel")
-        assert app.last_stats.reused_tokens >= app.history[0].prompt_tokens + stats.generated_tokens - 2
+        await wait_until(pilot, lambda: len(app.engine.history) == 2 and not app.engine.busy, what="the second cancel")
+        assert app.engine.last_stats.reused_tokens >= app.engine.history[0].prompt_tokens + stats.generated_tokens - 2
 
 
 @async_test
@@ -284,32 +285,35 @@ async def test_messages_sent_during_a_reply_are_queued(stories4_path):
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "Once upon a time", wait=False)
-        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 3, what="some tokens")
+        await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= 3, what="some tokens")
         await type_and_send(pilot, "second", wait=False)
-        assert [e.role for e in app.entries] == ["user"]  # not sent yet
-        queued = app.queued[0]
+        assert [e.role for e in app.transcript.entries] == ["user"]  # not sent yet
+        queued = app.transcript.queued[0]
         assert queued.text == "second" and "queued" in queued.tags
         assert app.query_one(ChatInput).has_class("busy")
         # Esc stops the reply and gives the queued message back to the box instead of sending it.
         await pilot.press("escape")
         await wait_until(pilot, lambda: not app.engine.busy, what="the cancel")
-        assert app.queued == [] and not queued.is_attached
+        assert app.transcript.queued == [] and not queued.is_attached
         assert app.query_one(ChatInput).text == "second"
         # Queued messages are sent in order once the reply ends.
         app.query_one(ChatInput).text = ""
         await type_and_send(pilot, "third", wait=False)
-        await wait_until(pilot, lambda: app._reply is not None and app.live_stats is not None, what="streaming")
+        await wait_until(pilot, lambda: app.engine.reply is not None and app.engine.live_stats is not None,
+                         what="streaming")
         await type_and_send(pilot, "fourth", wait=False)
         await type_and_send(pilot, "fifth", wait=False)
-        assert [w.text for w in app.queued] == ["fourth", "fifth"]
-        await wait_until(pilot, lambda: len(app.history) == 4 and not app.engine.busy and not app.queued,
+        assert [w.text for w in app.transcript.queued] == ["fourth", "fifth"]
+        await wait_until(pilot, lambda: len(app.engine.history) == 4 and not app.engine.busy
+                         and not app.transcript.queued,
                          timeout=60, what="the queued replies")
-        roles = [e.role for e in app.entries]
+        roles = [e.role for e in app.transcript.entries]
         assert roles == ["user", "assistant"] * 4
-        assert [e.text for e in app.entries if e.role == "user"] == ["Once upon a time", "third", "fourth", "fifth"]
+        assert [e.text for e in app.transcript.entries if e.role == "user"] == ["Once upon a time", "third", "fourth",
+                                                                            "fifth"]
         # The transcript shows them in the same order, each followed by its reply.
         shown = [w for w in app.query_one(ChatView).children]
-        assert shown == [e.widget for e in app.entries]
+        assert shown == [e.widget for e in app.transcript.entries]
         assert all("queued" not in w.tags for w in shown)
 
 
@@ -319,14 +323,14 @@ async def test_regenerate_replaces_the_last_reply(stories4_path):
     async with app.run_test() as pilot:
         await ready(pilot)
         await turn(pilot, "Tell me about a dog.")
-        first = app.entries[-1].text
+        first = app.transcript.entries[-1].text
         await pilot.press("ctrl+r")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="regenerate")
-        assert [e.role for e in app.entries] == ["user", "assistant"]
+        await wait_until(pilot, lambda: len(app.engine.history) == 2 and not app.engine.busy, what="regenerate")
+        assert [e.role for e in app.transcript.entries] == ["user", "assistant"]
         assert len(replies(app)) == 1
-        assert app.entries[-1].text == first  # greedy: the same reply again
+        assert app.transcript.entries[-1].text == first  # greedy: the same reply again
         # Only the last prompt token ran again: the rest came from the cache.
-        assert app.last_stats.reused_tokens == app.last_stats.prompt_tokens - 1
+        assert app.engine.last_stats.reused_tokens == app.engine.last_stats.prompt_tokens - 1
 
 
 @async_test
@@ -337,18 +341,18 @@ async def test_edit_last_message(stories4_path):
         await turn(pilot, "Tell me about a dog.")
         await pilot.press("ctrl+o")
         box = app.query_one(ChatInput)
-        assert app.editing and box.text == "Tell me about a dog." and box.has_class("editing")
+        assert app.engine.editing and box.text == "Tell me about a dog." and box.has_class("editing")
         box.text = "Tell me about a bird."
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the edit")
-        assert [e.role for e in app.entries] == ["user", "assistant"]
+        await wait_until(pilot, lambda: len(app.engine.history) == 2 and not app.engine.busy, what="the edit")
+        assert [e.role for e in app.transcript.entries] == ["user", "assistant"]
         users = list(app.query(UserMessage))
         assert len(users) == 1 and users[0].text == "Tell me about a bird." and "edited" in users[0].tags
-        assert len(replies(app)) == 1 and not app.editing
+        assert len(replies(app)) == 1 and not app.engine.editing
         # Esc leaves editing without sending.
         await pilot.press("ctrl+o")
         await pilot.press("escape")
-        assert not app.editing and box.text == ""
+        assert not app.engine.editing and box.text == ""
 
 
 @async_test
@@ -356,24 +360,24 @@ async def test_new_chat_and_clear(stories4_path):
     app = make_app(stories4_path, **{"chat.system": "Be [bold]nice[/]."})
     async with app.run_test() as pilot:
         await ready(pilot)
-        assert [e.role for e in app.entries] == ["system"]
+        assert [e.role for e in app.transcript.entries] == ["system"]
         await turn(pilot, "Hello")
         await pilot.press("ctrl+l")
         await pilot.pause()
-        assert not list(app.query(UserMessage)) and len(app.entries) == 3
+        assert not list(app.query(UserMessage)) and len(app.transcript.entries) == 3
         await turn(pilot, "More")  # the model kept the conversation
-        assert app.last_stats.reused_tokens > 20
+        assert app.engine.last_stats.reused_tokens > 20
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: not app.engine.busy, what="new chat")
-        assert [e.role for e in app.entries] == ["system"] and app.conv_steps == []
+        assert [e.role for e in app.transcript.entries] == ["system"] and app.engine.conv_steps == []
         assert "Be [bold]nice[/]." in await screen_text(pilot)
         await turn(pilot, "Hello")
         # The new chat starts warm: the first one's prompt came from the prefix store.
-        stats = app.last_stats
+        stats = app.engine.last_stats
         assert stats.prefix_tokens == stats.reused_tokens == stats.prompt_tokens - 1 > 20
         assert any(n.title == "prefix store" and n.message.startswith(f"reused {stats.prefix_tokens} prefix tokens")
                    for n in app._notifications)
-        assert app.store_notes[-1] == ("note", stats.prefix_line())
+        assert app.engine.store_notes[-1] == ("note", stats.prefix_line())
 
 
 # ---- cache modes --------------------------------------------------------------------------------------------
@@ -384,13 +388,14 @@ async def test_cycle_mode_mid_conversation(stories4_path):
         await ready(pilot)
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f3")  # auto -> concat
-        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.engine.busy,
+        await wait_until(pilot, lambda: app.engine.info.requested_mode == "concat" and not app.engine.busy,
                          what="the switch")
-        assert app.mode == "concat" and "mode concat" in app.query_one(StatusBar).plain
-        assert "Switched" in app.event_log and "SessionInfo" not in app.event_log  # Loaded and Switched describe
+        assert app.engine.mode == "concat" and "mode concat" in app.query_one(StatusBar).plain
+        # Loaded and Switched describe the session
+        assert "Switched" in app.engine.event_log and "SessionInfo" not in app.engine.event_log
         await turn(pilot, "What did the cat eat?")
-        assert app.last_stats.mode == "concat" and app.entries[-1].text
-        assert app.last_stats.reused_tokens > 0  # the converted cache was kept
+        assert app.engine.last_stats.mode == "concat" and app.transcript.entries[-1].text
+        assert app.engine.last_stats.reused_tokens > 0  # the converted cache was kept
 
 
 @async_test
@@ -399,17 +404,17 @@ async def test_switch_during_a_reply_applies_when_it_ends(stories4_path):
     async with app.run_test() as pilot:
         await ready(pilot)
         await type_and_send(pilot, "Once upon a time", wait=False)
-        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= 3, what="some tokens")
+        await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= 3, what="some tokens")
         app.switch_mode("window", {})
-        await wait_until(pilot, lambda: app.info.mode == "window" and not app.engine.busy, what="the switch")
-        log = list(app.event_log)
+        await wait_until(pilot, lambda: app.engine.info.mode == "window" and not app.engine.busy, what="the switch")
+        log = list(app.engine.event_log)
         assert log.index("TurnDone") < log.index("Switched")
         # Switched carried the new session's description: no Describe round-trip after it.
         assert "SessionInfo" not in log[log.index("Switched"):]
-        assert app.info.effective and app.cache_view.mode == "window"
-        assert app.history[0].mode == "prealloc"
+        assert app.engine.info.effective and app.engine.cache_view.mode == "window"
+        assert app.engine.history[0].mode == "prealloc"
         await turn(pilot, "And then?")
-        assert app.last_stats.mode == "window"
+        assert app.engine.last_stats.mode == "window"
 
 
 @async_test
@@ -432,19 +437,19 @@ async def test_mode_dialog_validates_and_switches_and_marks_evicted_messages(sto
         dialog.query_one("#f-window").value = "48"
         await pilot.pause()
         dialog.action_apply()
-        await wait_until(pilot, lambda: app.info.mode == "window" and app.info.settings["window"] == 48
+        await wait_until(pilot, lambda: app.engine.info.mode == "window" and app.engine.info.settings["window"] == 48
                          and not app.engine.busy, what="the switch")
         for text in ("Tell me about a cat.", "What did the cat eat?", "Where did it sleep?", "Who was its friend?"):
             await turn(pilot, text)
-        first_visible = app.cache_view.first_visible_message
-        assert first_visible >= 1 and app.cache_view.evicted > 0
-        widgets = [e.widget for e in app.entries]
+        first_visible = app.engine.cache_view.first_visible_message
+        assert first_visible >= 1 and app.engine.cache_view.evicted > 0
+        widgets = [e.widget for e in app.transcript.entries]
         assert all(w.has_class("evicted") and EVICTED_TAG in w.tags for w in widgets[:first_visible])
         assert not any(w.has_class("evicted") for w in widgets[first_visible:])
         bar = app.query_one(StatusBar).plain
-        assert f"/{app.cache_view.evicted:,} | " in bar  # the full/quant/evicted item
+        assert f"/{app.engine.cache_view.evicted:,} | " in bar  # the full/quant/evicted item
         # window shows the share of the last turn's attention on its next eviction's tokens
-        assert bar.endswith(f"attn on evictable {app.cache_view.attention_sparsity:.0%}")
+        assert bar.endswith(f"attn on evictable {app.engine.cache_view.attention_sparsity:.0%}")
 
 
 @async_test
@@ -485,16 +490,17 @@ async def test_a_reply_that_fails_part_way_ends_its_turn(stories4_path, monkeypa
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         await type_and_send(pilot, "Hello")
-        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.engine.busy, what="the failure")
-        kinds = list(app.event_log)
+        await wait_until(pilot, lambda: "Failed" in app.engine.event_log and not app.engine.busy, what="the failure")
+        kinds = list(app.engine.event_log)
         assert "TurnDone" in kinds and kinds.index("TurnDone") < kinds.index("Failed"), kinds
-        assert app.failures[-1][0] == "send failed: the device went away"
-        assert app._reply is None and app.live_stats is None and not app.history
-        assert app.conversation_id is not None  # the first turn's conversation, known at once
+        assert app.engine.failures[-1][0] == "send failed: the device went away"
+        assert app.engine.reply is None and app.engine.live_stats is None and not app.engine.history
+        assert app.engine.conversation_id is not None  # the first turn's conversation, known at once
         reply = replies(app)[-1]
         assert reply.has_class("failed") and "streaming" not in reply.tags
-        assert app.entries[-1].role == "assistant" and app.entries[-1].widget is reply
-        assert app.entries[-1].text and reply.streamed == app.entries[-1].text  # all that was shown
+        assert app.transcript.entries[-1].role == "assistant" and app.transcript.entries[-1].widget is reply
+        last = app.transcript.entries[-1]
+        assert last.text and reply.streamed == last.text  # all that was shown
         assert "streaming" not in app.query_one(StatusBar).plain
 
 
@@ -505,15 +511,15 @@ async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
         await ready(pilot)
         await turn(pilot, "Hello")
         app.switch_mode("quantized", {})
-        await wait_until(pilot, lambda: "Failed" in app.event_log and not app.engine.busy, what="the failure")
-        message, detail = app.failures[-1]
+        await wait_until(pilot, lambda: "Failed" in app.engine.event_log and not app.engine.busy, what="the failure")
+        message, detail = app.engine.failures[-1]
         assert "head_dim" in message and "Traceback" in detail
         notes = [n.message for n in app._notifications]
         assert any("head_dim" in n for n in notes) and not any("Traceback" in n for n in notes)
-        assert app.mode == "prealloc"
+        assert app.engine.mode == "prealloc"
         assert "Traceback" not in await screen_text(pilot)
         await turn(pilot, "Still there?")  # the session still works
-        assert app.last_stats.mode == "prealloc"
+        assert app.engine.last_stats.mode == "prealloc"
 
 
 @async_test
@@ -549,7 +555,8 @@ async def test_side_panel_shows_steps_layers_and_modes(stories4_path):
         assert not panel.display
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f3")
-        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.engine.busy, what="switch")
+        await wait_until(pilot, lambda: app.engine.info.requested_mode == "concat" and not app.engine.busy,
+                         what="switch")
         await turn(pilot, "What did the cat eat?")
         await pilot.press("f2")
         await pilot.pause()
@@ -573,24 +580,25 @@ async def test_memory_gauges_in_the_status_bar_and_the_side_panel(stories4_path)
     async with app.run_test(size=(140, 40)) as pilot:
         await ready(pilot)
         status = app.query_one(StatusBar)
-        assert app.memory is not None and app.memory.active > 0  # read when the session was described
+        assert app.engine.memory is not None and app.engine.memory.active > 0  # read when the session was described
         await turn(pilot, "Tell me about a cat.")
         await turn(pilot, "What did the cat eat?")
-        g = app.last_stats.memory
-        assert 0 < g.active <= g.peak < g.total and g.kv_held == app.last_stats.cache.bytes_held
+        g = app.engine.last_stats.memory
+        assert 0 < g.active <= g.peak < g.total and g.kv_held == app.engine.last_stats.cache.bytes_held
         plain = status.plain
         assert f"MLX {fmt_bytes(g.active)} act · {fmt_bytes(g.cache)} cache · {fmt_bytes(g.peak)} peak" in plain
         assert "mem KV " in plain and " · act " in plain and " · peak " in plain
         await pilot.press("f2")
         await pilot.pause()
         chart = app.query_one(MemoryChart)
-        assert chart.now == g and len(chart.trace) == len(app.conv_memory) >= 2 * 2  # two turns, 2+ readings each
+        # two turns, 2+ readings each
+        assert chart.now == g and len(chart.trace) == len(app.engine.conv_memory) >= 2 * 2
         assert [r.tokens for r in chart.trace] == sorted(r.tokens for r in chart.trace)
         text = await screen_text(pilot)
         assert "MLX memory over the conversation" in text and "MLX active" in text and "buffer cache" in text
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: not app.engine.busy, what="new chat")
-        assert app.conv_memory == []
+        assert app.engine.conv_memory == []
 
 
 # ---- screens ----------------------------------------------------------------------------------------------
@@ -625,7 +633,7 @@ def gate_load(app, before=None):
     import threading
 
     gate = threading.Event()
-    load = app.bridge.make_session
+    load = app.engine.bridge.make_session
 
     def held(emit):
         if before is not None:
@@ -633,7 +641,7 @@ def gate_load(app, before=None):
         assert gate.wait(60), "the test never released the load"
         return load(emit)
 
-    app.bridge.make_session = held
+    app.engine.bridge.make_session = held
     return gate
 
 
@@ -645,7 +653,7 @@ async def test_the_input_box_takes_messages_while_the_model_loads(stories4_path)
     gate = gate_load(app)
     async with app.run_test(size=(100, 30)) as pilot:
         await pilot.pause()
-        assert not app.loaded and not isinstance(app.screen, LoadingScreen)
+        assert not app.engine.loaded and not isinstance(app.screen, LoadingScreen)
         box = app.query_one(ChatInput)
         assert box.has_focus and "loading" in str(box.border_title)
         assert "loading" in app.query_one(StatusBar).plain
@@ -654,8 +662,8 @@ async def test_the_input_box_takes_messages_while_the_model_loads(stories4_path)
         queued = [w for w in app.query(UserMessage) if "queued" in w.tags]
         assert [w.text for w in queued] == ["Once upon a time"] and box.text == ""
         gate.set()
-        await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the queued reply")
-        assert not app.queued and [w.text for w in app.query(UserMessage)] == ["Once upon a time"]
+        await wait_until(pilot, lambda: len(app.engine.history) == 1 and not app.engine.busy, what="the queued reply")
+        assert not app.transcript.queued and [w.text for w in app.query(UserMessage)] == ["Once upon a time"]
         assert not any("queued" in w.tags for w in app.query(UserMessage))
         assert len(replies(app)) == 1 and replies(app)[0].text
         assert app.check_action("new_chat", ()) and "Enter sends" in str(box.border_title)
@@ -681,12 +689,12 @@ async def test_a_download_gets_the_loading_screen(stories4_path):
 async def test_load_failure_is_a_message_not_a_traceback(tmp_path):
     app = ChatApp(load_config(overrides={"model.id": str(tmp_path)}))
     async with app.run_test() as pilot:
-        await wait_until(pilot, lambda: app.load_error, what="the load failure")
+        await wait_until(pilot, lambda: app.engine.load_error, what="the load failure")
         await pilot.pause()
         assert isinstance(app.screen, LoadingScreen) and app.screen.failed
         text = await screen_text(pilot)
         assert "could not be loaded" in text and "press q to quit" in text
-        assert "Traceback" not in text and "Traceback" not in app.load_error
+        assert "Traceback" not in text and "Traceback" not in app.engine.load_error
         await pilot.press("q")
     assert app.return_code == 0
 

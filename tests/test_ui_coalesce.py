@@ -103,18 +103,19 @@ def test_the_status_bar_is_rebuilt_a_few_times_a_second_while_a_reply_streams(st
 
             bar.set_items = counting
             await type_and_send(pilot, "Once upon a time", wait=False)
-            await wait_until(pilot, lambda: "TokenEvent" in app.event_log, what="the first token")
+            await wait_until(pilot, lambda: "TokenEvent" in app.engine.event_log, what="the first token")
             first = time.monotonic()
-            await wait_until(pilot, lambda: len(app.history) == 1 and not app.engine.busy, what="the reply")
+            await wait_until(pilot, lambda: len(app.engine.history) == 1 and not app.engine.busy, what="the reply")
             last = time.monotonic()
-            tokens = app.event_log.count("TokenEvent")
-            assert app.last_stats.generated_tokens == 400 and tokens >= 400
+            tokens = app.engine.event_log.count("TokenEvent")
+            assert app.engine.last_stats.generated_tokens == 400 and tokens >= 400
             streaming = [t for t in rebuilds if first <= t <= last]
             # At most one per interval (plus the reply's end and the Idle after it), whatever the machine's speed.
-            assert len(streaming) <= (last - first) / app.status_rate.interval + 4, (len(streaming), last - first)
+            interval = app.engine.status_rate.interval
+            assert len(streaming) <= (last - first) / interval + 4, (len(streaming), last - first)
             assert len(streaming) < tokens / 4
             # The bar ends on the finished turn (its cache holds the prompt and all 400 tokens).
-            held = app.last_stats.cache.tokens
-            assert held >= 400 and f"cache {held:,}/" in bar.plain and not app.status_rate.pending
+            held = app.engine.last_stats.cache.tokens
+            assert held >= 400 and f"cache {held:,}/" in bar.plain and not app.engine.status_rate.pending
 
     run()

@@ -31,17 +31,18 @@ class E:  # an entry of the transcript mirror
 
 
 class FakeHost:
-    """The app as the comforts see it (ComfortHost): a part can be exercised without Textual."""
+    """The app as the comforts see it (ComfortHost, its parts as the comforts use them): a part
+    can be exercised without Textual. Every call lands in ``calls``."""
 
     def __init__(self, entries, busy=False):
         from types import SimpleNamespace
 
         self.config = SimpleNamespace(chat=SimpleNamespace(system=""), model=SimpleNamespace(id="old"),
                                       ui=SimpleNamespace(theme="textual-dark"))
-        self.entries, self.busy = entries, busy
-        self.conversation_id, self.conversation_title, self.model_id = 7, "Cats", "old"
-        self.info, self.store_notes, self.loaded = None, [], True
+        self.busy = busy
         self.calls = []
+        self.transcript = FakeTranscript(entries, self.calls)
+        self.engine = FakeEngine(self.calls)
 
     def notify(self, message, **kwargs):
         self.calls.append(("notify", message))
@@ -55,6 +56,25 @@ class FakeHost:
     def refuse_busy(self, what):
         return self.busy
 
+
+class FakeTranscript:
+    """The transcript mirror as the comforts use it (``host.transcript``)."""
+
+    def __init__(self, entries, calls):
+        self.entries, self.calls = entries, calls
+
+    async def show_system_prompt(self, text):
+        self.calls.append(("system", text))
+
+
+class FakeEngine:
+    """The engine client as the comforts use it (``host.engine``, comforts.EngineView)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+        self.conversation_id, self.conversation_title, self.model_id = 7, "Cats", "old"
+        self.info, self.store_notes, self.loaded = None, [], True
+
     def submit(self, request):
         self.calls.append(("submit", request))
 
@@ -66,9 +86,6 @@ class FakeHost:
 
     def show_session(self, info):
         self.calls.append(("session", info))
-
-    async def show_system_prompt(self, text):
-        self.calls.append(("system", text))
 
 
 def test_the_comforts_are_a_part_that_reaches_the_app_only_through_its_host():
@@ -95,7 +112,7 @@ def test_the_comforts_are_a_part_that_reaches_the_app_only_through_its_host():
     asyncio.run(comforts.system_changed(SystemChange("Be brief.", changed=True)))
     assert host.config.chat.system == "Be brief." and ("system", "Be brief.") in host.calls
     asyncio.run(comforts.model_switched(ModelSwitch("new", ok=True, model_id="new", notes=["n"])))
-    assert host.model_id == "new" and host.store_notes and ("notice", "n") in host.calls
+    assert host.engine.model_id == "new" and host.engine.store_notes and ("notice", "n") in host.calls
     host.busy = True
     before = list(host.calls)
     comforts.switch_model("other")  # refused while busy: nothing sent
@@ -132,7 +149,7 @@ async def test_copy_export_and_theme(stories4_path, tmp_path, monkeypatch):
         await pilot.press("f8")
         assert app.clipboard == ""  # nothing yet: a note says so
         await turn(pilot, "Tell me about a cat.")
-        reply = app.entries[-1].text
+        reply = app.transcript.entries[-1].text
         await pilot.press("f8")
         assert app.clipboard == reply and reply
         await pilot.press("f9")
@@ -172,15 +189,16 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
         assert isinstance(app.screen, SystemPromptDialog)
         app.screen.query_one("#system-text").text = "You tell short stories about cats and dogs."
         await pilot.press("ctrl+s")
-        await wait_until(pilot, lambda: not app.engine.busy and app.entries[0].role == "system", what="the change")
-        assert [e.role for e in app.entries] == ["system", "user", "assistant"]
-        assert app.entries[0].widget.cache_state == "pending"  # not prefilled until the next turn
-        assert app.bridge.chat.session.cached == []
+        await wait_until(pilot, lambda: not app.engine.busy and app.transcript.entries[0].role == "system",
+                         what="the change")
+        assert [e.role for e in app.transcript.entries] == ["system", "user", "assistant"]
+        assert app.transcript.entries[0].widget.cache_state == "pending"  # not prefilled until the next turn
+        assert app.engine.bridge.chat.session.cached == []
         await turn(pilot, "The dog")
-        stats = app.last_stats
+        stats = app.engine.last_stats
         assert stats.reused_tokens == 0 and stats.prefill_tokens == stats.prompt_tokens
-        cid = app.conversation_id or app.bridge.chat.conversation_id
-        with ChatStore.open(app.bridge.data_dir(), write=False) as store:
+        cid = app.engine.conversation_id or app.engine.bridge.chat.conversation_id
+        with ChatStore.open(app.engine.bridge.data_dir(), write=False) as store:
             assert [m.role for m in store.messages(cid)][:2] == ["system", "user"]
 
         # Another conversation with the same system prompt: its first turn stored the system
@@ -190,9 +208,9 @@ async def test_system_prompt_dialog_reprefills_and_warm_starts_from_the_prefix_s
         await turn(pilot, "A bird")
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: not app.engine.busy, what="the new chat")
-        assert app.entries[0].role == "system"  # kept for the new chat, as the session keeps it
+        assert app.transcript.entries[0].role == "system"  # kept for the new chat, as the session keeps it
         await turn(pilot, "A fish")
-        assert app.last_stats.prefix_tokens > 0
+        assert app.engine.last_stats.prefix_tokens > 0
 
 
 async def open_model_dialog(pilot) -> ModelDialog:
@@ -235,9 +253,10 @@ async def test_a_switch_refused_while_busy_leaves_the_dialog_ready_for_another_t
         assert not dialog.loading_spec and "not switched" in await screen_text(pilot)
         monkeypatch.undo()
         await pilot.press("enter")
-        await wait_until(pilot, lambda: not app.engine.busy and (app.model_dialog is None or not dialog.loading_spec),
+        await wait_until(pilot, lambda: not app.engine.busy
+                         and (app.comforts.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
-        assert app.model_dialog is None and app.model_id.endswith("stories260K")
+        assert app.comforts.model_dialog is None and app.engine.model_id.endswith("stories260K")
 
 
 @async_test
@@ -246,36 +265,38 @@ async def test_switch_model_keeps_the_conversation_and_survives_a_bad_path(stori
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
         await turn(pilot, "Once upon a time")
-        before = [(e.role, e.text) for e in app.entries]
-        old_session = weakref.ref(app.bridge.chat.session)
-        old_model = weakref.ref(app.bridge.chat.session.model)
+        before = [(e.role, e.text) for e in app.transcript.entries]
+        old_session = weakref.ref(app.engine.bridge.chat.session)
+        old_model = weakref.ref(app.engine.bridge.chat.session.model)
         dialog = await open_model_dialog(pilot)
         dialog.query_one("#model-input").value = str(tmp_path / "no-such-model")
         await pilot.press("enter")
         await wait_until(pilot, lambda: not app.engine.busy and not dialog.loading_spec, what="the failed load")
         text = await screen_text(pilot)
         assert "cannot load" in text and app.screen is dialog
-        assert app.bridge.chat.session is old_session() and [(e.role, e.text) for e in app.entries] == before
+        assert app.engine.bridge.chat.session is old_session()
+        assert [(e.role, e.text) for e in app.transcript.entries] == before
 
         dialog.query_one("#model-input").value = str(stories_path)
         await pilot.press("enter")
         # The switch has ended when its result is in: the dialog let go (loaded) or shows why not
         # (failed). A failed load fails here with its line, not as a wait for a dialog that stays.
         # (The switch compiles no kernels: neither stories model reaches them at load; 0.3 s.)
-        await wait_until(pilot, lambda: not app.engine.busy and (app.model_dialog is None or not dialog.loading_spec),
+        await wait_until(pilot, lambda: not app.engine.busy
+                         and (app.comforts.model_dialog is None or not dialog.loading_spec),
                          what="the switch")
-        assert app.model_dialog is None, f"the switch failed:\n{await screen_text(pilot)}"
+        assert app.comforts.model_dialog is None, f"the switch failed:\n{await screen_text(pilot)}"
         await wait_until(pilot, lambda: not isinstance(app.screen, ModelDialog), what="the dialog to close")
-        assert app.model_id.endswith("stories260K") and app.bridge.chat.session is not old_session()
-        assert [(e.role, e.text) for e in app.entries] == before
-        await wait_until(pilot, lambda: "old model released" in app.store_notes[-1][1], what="the release")
-        assert "switched to" in app.store_notes[-2][1] and "re-prefilled" in app.store_notes[-2][1]
-        assert "MLX active memory" in app.store_notes[-1][1]
-        assert len(app.bridge.chat.session.cached) > 0
+        assert app.engine.model_id.endswith("stories260K") and app.engine.bridge.chat.session is not old_session()
+        assert [(e.role, e.text) for e in app.transcript.entries] == before
+        await wait_until(pilot, lambda: "old model released" in app.engine.store_notes[-1][1], what="the release")
+        assert "switched to" in app.engine.store_notes[-2][1] and "re-prefilled" in app.engine.store_notes[-2][1]
+        assert "MLX active memory" in app.engine.store_notes[-1][1]
+        assert len(app.engine.bridge.chat.session.cached) > 0
         gc.collect()
         assert old_model() is None and old_session() is None  # the old model's memory was released
         await turn(pilot, "The end")
-        assert app.last_stats.reused_tokens > 0  # the re-prefilled conversation is reused
-        cid = app.bridge.chat.conversation_id
-        with ChatStore.open(app.bridge.data_dir(), write=False) as store:
+        assert app.engine.last_stats.reused_tokens > 0  # the re-prefilled conversation is reused
+        cid = app.engine.bridge.chat.conversation_id
+        with ChatStore.open(app.engine.bridge.data_dir(), write=False) as store:
             assert store.get(cid).model_spec == str(stories_path.resolve())

@@ -324,7 +324,7 @@ def test_run_tui_reports_a_load_failure_on_stderr(tmp_path, monkeypatch, capsys)
 
     async def auto_pilot(pilot):
         for _ in range(1500):
-            if pilot.app.load_error:
+            if pilot.app.engine.load_error:
                 break
             await pilot.pause(0.02)
         await pilot.press("q")

@@ -33,7 +33,7 @@ QUESTIONS = ["Tell me about a cat.", "What did the cat eat?", "Where did it go?"
 
 
 def states(app) -> list[str]:
-    return [e.widget.cache_state for e in app.entries]
+    return [e.widget.cache_state for e in app.transcript.entries]
 
 
 @async_test
@@ -46,10 +46,10 @@ async def test_markers_follow_the_cache_and_the_first_eviction_is_noted_once():
         assert set(states(app)) <= {"held", "quantised"} and not list(app.query(CacheNotice))
         for q in QUESTIONS[1:]:
             await turn(pilot, q)
-        rows = app.cache_view.messages
+        rows = app.engine.cache_view.messages
         assert [m.state for m in rows] == states(app)
         assert {"evicted", "quantised", "held"} <= set(states(app)) and states(app)[-1] == "held"
-        for entry, row in zip(app.entries, rows):
+        for entry, row in zip(app.transcript.entries, rows):
             w = entry.widget
             assert w.has_class("kv-" + row.state.replace(" ", "-"))
             if row.state != "evicted":  # the text form is in the header (evicted ones say EVICTED_TAG)
@@ -63,7 +63,7 @@ async def test_markers_follow_the_cache_and_the_first_eviction_is_noted_once():
 
         # A switch to prealloc re-prefills every token: every marker turns to held.
         app.switch_mode("prealloc")
-        await wait_until(pilot, lambda: not app.engine.busy and app.info.mode == "prealloc", what="the switch")
+        await wait_until(pilot, lambda: not app.engine.busy and app.engine.info.mode == "prealloc", what="the switch")
         assert set(states(app)) == {"held"}
 
         await pilot.press("f1")
@@ -101,11 +101,11 @@ async def test_a_resumed_conversation_is_marked_restored(stories4_path, tmp_path
         await turn(pilot, "Once upon a time")
         assert states(first) == ["held", "held"]
         await pilot.press("ctrl+q")
-    first.bridge.worker.join(30)
+    first.engine.bridge.worker.join(30)
     app = ChatApp(config, freeze_stats=True, resume="latest")
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        await wait_until(pilot, lambda: len(app.entries) == 2 and not app.engine.busy, what="the resume")
+        await wait_until(pilot, lambda: len(app.transcript.entries) == 2 and not app.engine.busy, what="the resume")
         await wait_until(pilot, lambda: states(app) == ["restored", "restored"], what="the markers")
         assert "kv restored" in await screen_text(pilot)
         await turn(pilot, "The cat")
@@ -123,7 +123,7 @@ async def test_side_panel_shows_what_each_policy_evicted_and_quantised_and_the_a
             await turn(pilot, q)
         await pilot.press("f2")
         await pilot.pause()
-        view = app.cache_view
+        view = app.engine.cache_view
         assert view.evicted_by_policy["window-quant"] == view.evicted > 0
         assert view.quantised_by_policy["window-quant"] > 0
         assert view.attention_sparsity is not None and 0 <= view.attention_sparsity <= 1

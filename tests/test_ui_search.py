@@ -52,8 +52,8 @@ async def test_search_box_finds_and_opens_a_conversation(stories4_path, tmp_path
         await pilot.press(*"fish")
         await pilot.press("enter")  # to the results
         await pilot.press("enter")  # open the first
-        await wait_until(pilot, lambda: app.conversation_id == a and not app.engine.busy,
+        await wait_until(pilot, lambda: app.engine.conversation_id == a and not app.engine.busy,
                          what="the conversation to open")
         assert not isinstance(app.screen, (SearchScreen, SessionsScreen))
-        assert [e.role for e in app.entries] == ["user", "assistant"]
-        assert app.entries[1].text == "The fish swam\nto the blue sea."
+        assert [e.role for e in app.transcript.entries] == ["user", "assistant"]
+        assert app.transcript.entries[1].text == "The fish swam\nto the blue sea."

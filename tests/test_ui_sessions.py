@@ -40,8 +40,8 @@ async def run_and_quit(app, pilot_fn, size=(100, 30)) -> None:
         await pilot_fn(pilot)
         await pilot.press("ctrl+q")
     # The engine thread closes the chat (snapshot saved, lock released) after the quit command.
-    app.bridge.worker.join(30)
-    assert not app.bridge.worker._thread.is_alive()
+    app.engine.bridge.worker.join(30)
+    assert not app.engine.bridge.worker._thread.is_alive()
 
 
 def stored(data_dir):
@@ -61,7 +61,7 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
 
     await run_and_quit(first, chat)
     [(conv, msgs)] = stored(tmp_path)
-    reply_text = first.entries[-1].text
+    reply_text = first.transcript.entries[-1].text
     assert [(m.role, m.content, m.status) for m in msgs] == [
         ("user", "Once upon a time", "complete"), ("assistant", reply_text, "complete")]
     assert conv.title == "Once upon a time" and conv.snapshot_bytes > 0
@@ -78,21 +78,22 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         text = await screen_text(pilot)
         assert "Once upon a time" in text and "stories260K-4bit" in text and "Saved conversations" in text
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_id == conv.id and not app.engine.busy,
+        await wait_until(pilot, lambda: app.engine.conversation_id == conv.id and not app.engine.busy,
                          what="the conversation to open")
         assert not isinstance(app.screen, SessionsScreen)
-        assert [(e.role, e.text) for e in app.entries] == [("user", "Once upon a time"), ("assistant", reply_text)]
-        assert isinstance(app.entries[0].widget, UserMessage) and isinstance(app.entries[1].widget, AssistantMessage)
-        assert "from its KV snapshot" in app.resume_line and "no re-prefill" in app.resume_line
+        entries = app.transcript.entries
+        assert [(e.role, e.text) for e in entries] == [("user", "Once upon a time"), ("assistant", reply_text)]
+        assert isinstance(entries[0].widget, UserMessage) and isinstance(entries[1].widget, AssistantMessage)
+        assert "from its KV snapshot" in app.engine.resume_line and "no re-prefill" in app.engine.resume_line
         assert any("from its KV snapshot" in str(n.message) for n in app._notifications)
-        restored = app.bridge.chat.resume_info.snapshot_tokens
-        assert restored > 0 and app.info is not None and app.info.messages == 2
+        restored = app.engine.bridge.chat.resume_info.snapshot_tokens
+        assert restored > 0 and app.engine.info is not None and app.engine.info.messages == 2
         await turn(pilot, "The cat")
-        stats = app.last_stats
+        stats = app.engine.last_stats
         # Everything the snapshot held was reused; only the new message was prefilled.
         assert stats.reused_tokens >= restored
         assert stats.prefill_tokens == stats.prompt_tokens - stats.reused_tokens < 25 < restored
-        assert [e.role for e in app.entries] == ["user", "assistant", "user", "assistant"]
+        assert [e.role for e in app.transcript.entries] == ["user", "assistant", "user", "assistant"]
 
         # 3. Rename it (r, a dialog) ...
         await pilot.press("f7")
@@ -102,7 +103,7 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         box = app.screen.query_one("#rename-input")
         box.value = "Cats"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.conversation_title == "Cats" and not app.engine.busy,
+        await wait_until(pilot, lambda: app.engine.conversation_title == "Cats" and not app.engine.busy,
                          what="the rename")
         assert isinstance(app.screen, SessionsScreen)
         assert app.screen.rows[0].title == "Cats" and app.screen.rows[0].messages == 4
@@ -115,16 +116,16 @@ async def test_sessions_screen_opens_renames_and_deletes(stories4_path, tmp_path
         assert isinstance(app.screen, SessionsScreen) and len(stored(tmp_path)) == 1
         await pilot.press("d")
         await pilot.press("y")
-        await wait_until(pilot, lambda: not app.engine.busy and app.entries == [], what="the delete")
+        await wait_until(pilot, lambda: not app.engine.busy and app.transcript.entries == [], what="the delete")
         assert stored(tmp_path) == [] and not snapshot_path(tmp_path, conv.id).exists()
         assert isinstance(app.screen, SessionsScreen) and app.screen.rows == []
         assert "no saved conversations" in await screen_text(pilot)
         await pilot.press("escape")
         # The chat goes on, as a new conversation.
         await turn(pilot, "A dog")
-        assert app.last_stats.reused_tokens == 0
+        assert app.engine.last_stats.reused_tokens == 0
         await pilot.press("ctrl+q")
-    app.bridge.worker.join(30)
+    app.engine.bridge.worker.join(30)
     [(conv2, msgs2)] = stored(tmp_path)
     assert conv2.id != conv.id and conv2.title == "A dog" and len(msgs2) == 2
 
@@ -138,35 +139,35 @@ async def test_resume_at_start_regenerate_edit_and_cancel_are_saved(stories4_pat
         app = pilot.app
         await turn(pilot, "Once upon a time")
         await pilot.press("ctrl+r")  # regenerate: the stored reply is replaced
-        await wait_until(pilot, lambda: len(app.history) == 2 and not app.engine.busy, what="the regenerate")
+        await wait_until(pilot, lambda: len(app.engine.history) == 2 and not app.engine.busy, what="the regenerate")
         await pilot.press("ctrl+o")  # edit the last message and resend it
         app.query_one(ChatInput).text = "The dog"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.history) == 3 and not app.engine.busy, what="the edit")
+        await wait_until(pilot, lambda: len(app.engine.history) == 3 and not app.engine.busy, what="the edit")
         # A reply stopped with Esc is saved, marked interrupted.
-        before = app.event_log.count("TokenEvent")
+        before = app.engine.event_log.count("TokenEvent")
         await turn_nowait(pilot, "And then")
-        await wait_until(pilot, lambda: app.event_log.count("TokenEvent") >= before + 5, what="some tokens")
+        await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= before + 5, what="some tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: len(app.history) == 4 and not app.engine.busy, what="the cancel")
-        assert app.last_stats.finish == "cancelled"
+        await wait_until(pilot, lambda: len(app.engine.history) == 4 and not app.engine.busy, what="the cancel")
+        assert app.engine.last_stats.finish == "cancelled"
 
     await run_and_quit(first, chat)
     [(conv, msgs)] = stored(tmp_path)
     assert [(m.role, m.status) for m in msgs] == [
         ("user", "complete"), ("assistant", "complete"), ("user", "complete"), ("assistant", "interrupted")]
-    assert msgs[0].content == "The dog" and msgs[1].content == first.entries[1].text
-    assert msgs[3].content == first.entries[3].text
+    assert msgs[0].content == "The dog" and msgs[1].content == first.transcript.entries[1].text
+    assert msgs[3].content == first.transcript.entries[3].text
 
     # run_tui(resume="latest"): the transcript is on screen once the model has loaded.
     app = ChatApp(config, freeze_stats=True, resume="latest")
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot)
-        assert app.conversation_id == conv.id and "from its KV snapshot" in app.resume_line
-        assert [e.text for e in app.entries] == [m.content for m in msgs]
+        assert app.engine.conversation_id == conv.id and "from its KV snapshot" in app.engine.resume_line
+        assert [e.text for e in app.transcript.entries] == [m.content for m in msgs]
         assert "interrupted" in replies(app)[-1].tags
         await pilot.press("ctrl+q")
-    app.bridge.worker.join(30)
+    app.engine.bridge.worker.join(30)
 
 
 async def turn_nowait(pilot, text: str) -> None:
@@ -184,21 +185,21 @@ async def test_busy_data_dir_runs_in_memory_with_one_note(stories4_path, tmp_pat
         app = ChatApp(config_for(stories4_path, tmp_path), freeze_stats=True)
         async with app.run_test(size=(100, 30)) as pilot:
             await ready(pilot)
-            await wait_until(pilot, lambda: app.store_notes, what="the note")
-            [(level, text)] = app.store_notes
+            await wait_until(pilot, lambda: app.engine.store_notes, what="the note")
+            [(level, text)] = app.engine.store_notes
             assert level == "note" and "this conversation will not be saved" in text and "another chatapp" in text
             await turn(pilot, "Once upon a time")
-            assert app.entries[-1].role == "assistant"
+            assert app.transcript.entries[-1].role == "assistant"
             # The sessions screen still reads the store; rename and delete say why they cannot.
             await pilot.press("f7")
             assert isinstance(app.screen, SessionsScreen) and app.screen.rows == []
             await pilot.press("escape")
             app.delete_conversation(1)
-            await wait_until(pilot, lambda: len(app.store_notes) == 2 and not app.engine.busy,
+            await wait_until(pilot, lambda: len(app.engine.store_notes) == 2 and not app.engine.busy,
                              what="the refusal")
-            assert app.store_notes[-1][0] == "error" and "not saving" in app.store_notes[-1][1]
+            assert app.engine.store_notes[-1][0] == "error" and "not saving" in app.engine.store_notes[-1][1]
             await pilot.press("ctrl+q")
-        app.bridge.worker.join(30)
+        app.engine.bridge.worker.join(30)
         assert holder.list_conversations() == []
     finally:
         holder.close()
@@ -228,16 +229,16 @@ async def test_a_first_turn_brings_its_conversation_id_to_the_ui(stories4_path, 
     app = ChatApp(config_for(stories4_path, tmp_path), freeze_stats=True)
 
     async def chat(pilot):
-        assert app.conversation_id is None
-        app.bridge.requests.chat = EngineThreadOnly(app.bridge.requests.chat)
+        assert app.engine.conversation_id is None
+        app.engine.bridge.requests.chat = EngineThreadOnly(app.engine.bridge.requests.chat)
         await turn(pilot, "Once upon a time")
         [(conv, _)] = stored(tmp_path)
-        assert app.conversation_id == conv.id
+        assert app.engine.conversation_id == conv.id
         await pilot.press("f7")
         assert isinstance(app.screen, SessionsScreen) and app.screen.current == conv.id
         await pilot.press("escape")
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: not app.engine.busy, what="the new chat")
-        assert app.conversation_id is None
+        assert app.engine.conversation_id is None
 
     await run_and_quit(app, chat)

@@ -41,7 +41,7 @@ def test_side_panel(snap_compare, stories4_path):
         await ready(pilot)
         await turn(pilot, "Tell me about a cat.")
         await pilot.press("f3")  # auto -> concat, so the mode table has two modes
-        await wait_until(pilot, lambda: app.info.requested_mode == "concat" and not app.engine.busy,
+        await wait_until(pilot, lambda: app.engine.info.requested_mode == "concat" and not app.engine.busy,
                          what="the switch")
         await turn(pilot, "What did the cat eat?")
         await pilot.press("f2")

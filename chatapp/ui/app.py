@@ -24,7 +24,7 @@ the saved conversations and opens (resumes), renames or deletes them.
 from __future__ import annotations
 
 import sys
-from typing import Any, Generic, Iterable, TypeVar
+from typing import Any, Iterable
 
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
@@ -34,7 +34,6 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from cache.settings import DIALOG_KNOBS, knob_values
-from chatapp.engine.events import SessionInfo
 from chatapp.engine.requests import (
     Compare,
     DeleteConversation,
@@ -43,42 +42,18 @@ from chatapp.engine.requests import (
     OpenConversation,
     Regenerate,
     RenameConversation,
-    Request,
     Send,
     SwitchMode,
 )
 
 from . import start_probe
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
-from .dialogs import ModelDialog
 from .engine_link import INPUT_TITLE, EngineClient, deliver
 from .format import MODES, next_mode
 from .messages import EngineMessage
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .transcript import Transcript
 from .widgets import ChatInput, ChatView, SidePanel, StatusBar, UserMessage
-
-T = TypeVar("T")
-
-
-class OfPart(Generic[T]):
-    """An attribute of the app that is one of its parts' (``app.engine``, ``app.transcript``):
-    read, and set, there. The app's public face for the comforts' host (``ComfortHost``),
-    ``run_tui`` and tests; the app itself uses its parts directly."""
-
-    def __init__(self, part: str, name: str | None = None) -> None:
-        self.part, self.name = part, name
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = self.name or name
-
-    def __get__(self, app: Any, owner: type | None = None) -> T:
-        if app is None:
-            return self  # type: ignore[return-value]
-        return getattr(getattr(app, self.part), self.name)
-
-    def __set__(self, app: Any, value: T) -> None:
-        setattr(getattr(app, self.part), self.name, value)
 
 
 class ChatApp(App[int]):
@@ -105,34 +80,6 @@ class ChatApp(App[int]):
         *COMFORT_BINDINGS,  # copy, export, system prompt, switch model (ui/comforts.py)
     ]
 
-    # The parts' state, read through the app (OfPart): what the comforts' host face and tests
-    # read. The state itself is the parts'.
-    bridge = OfPart("engine")
-    entries = OfPart("transcript")
-    queued = OfPart("transcript")
-    editing = OfPart("engine")
-    loaded = OfPart("engine")
-    load_error = OfPart("engine")
-    failures = OfPart("engine")
-    model_id = OfPart("engine")
-    info = OfPart("engine")
-    mode = OfPart("engine")
-    requested_mode = OfPart("engine")
-    cache_view = OfPart("engine")
-    memory = OfPart("engine")
-    live_stats = OfPart("engine")
-    last_stats = OfPart("engine")
-    history = OfPart("engine")
-    conv_steps = OfPart("engine")
-    conv_memory = OfPart("engine")
-    store_notes = OfPart("engine")
-    event_log = OfPart("engine")
-    status_rate = OfPart("engine")
-    conversation_id = OfPart("engine")
-    conversation_title = OfPart("engine")
-    resume_line = OfPart("engine")
-    _reply = OfPart("engine", "reply")
-
     def __init__(self, config, *, blas=None, verbose: bool = False, freeze_stats: bool = False,
                  resume: int | str | None = None, save: bool = True) -> None:
         super().__init__()
@@ -150,22 +97,6 @@ class ChatApp(App[int]):
     # ---- the engine's messages: every one (its message subclasses EngineMessage) goes to its kind's
     # handler on the engine client, through the one dispatcher (engine_link.deliver)
     _on_engine = on(EngineMessage)(deliver)
-
-    # ---- the comforts' host face (ComfortHost): the engine client does the work ------------------------
-    def submit(self, request: Request) -> None:
-        self.engine.submit(request)
-
-    def set_phase(self, phase: str) -> None:
-        self.engine.set_phase(phase)
-
-    def notice(self, note: str) -> None:
-        self.engine.notice(note)
-
-    def show_session(self, info: SessionInfo | None) -> None:
-        self.engine.show_session(info)
-
-    async def show_system_prompt(self, text: str) -> None:
-        await self.transcript.show_system_prompt(text)
 
     # ---- layout ---------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -454,11 +385,6 @@ class ChatApp(App[int]):
     def watch_theme(self, name: str) -> None:
         self.comforts.theme_changed(name)
 
-    @property
-    def model_dialog(self) -> ModelDialog | None:
-        """The model dialog while a switch may report into it (owned by the comforts)."""
-        return self.comforts.model_dialog
-
     async def action_quit(self) -> None:
         self.engine.bridge.stop(timeout=1.0)
         self.exit(0)
@@ -516,12 +442,12 @@ def run_tui(config, blas=None, verbose: bool = False, resume: int | str | None =
     app = ChatApp(config, blas=blas, verbose=verbose, resume=resume, save=save)
     result = app.run(headless=start_probe.active())
     if verbose:
-        for message, detail in app.failures:
+        for message, detail in app.engine.failures:
             print(f"chatapp: {message}", file=sys.stderr)
             if detail:
                 print(detail, file=sys.stderr)
-    if app.load_error:
-        print(f"chatapp: error: {app.load_error}", file=sys.stderr)
+    if app.engine.load_error:
+        print(f"chatapp: error: {app.engine.load_error}", file=sys.stderr)
         return 2
     if app.return_code not in (None, 0):
         return app.return_code

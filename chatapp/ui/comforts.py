@@ -3,13 +3,16 @@
 the conversation, and switching the model without leaving the app.
 
 :class:`Comforts` owns its state (the model dialog) and reaches the app only through
-:class:`ComfortHost`, the app's public face it needs (the transcript mirror's entries, the
-conversation's id and title, ``refuse_busy``, ``submit``, ...): no private name of the app, and
-no attribute it merely hopes the app has. The app keeps the bindings (Textual looks actions up on
-the app) and its ``action_*`` methods delegate here. Engine work (the system prompt, the model
-switch) is a typed request (``SetSystemPrompt``, ``SwitchModel``); its result comes back as its
-own message (``ui/messages.py``), whose handler on the engine client (``ui/engine_link.py``) calls
-:meth:`Comforts.system_changed` / :meth:`Comforts.model_switched`.
+:class:`ComfortHost`, the app's public face it needs (notifications, screens, the clipboard,
+``refuse_busy``) and its two other parts: the transcript mirror (``host.transcript``: the entries,
+the system prompt shown) and the engine client as :class:`EngineView` (``host.engine``: the
+conversation's id and title, the model, the session as last described, ``submit``, ...): no
+private name of the app, and no attribute it merely hopes the app has. The app keeps the
+bindings (Textual looks actions up on the app) and its ``action_*`` methods delegate here. Engine
+work (the system prompt, the model switch) is a typed request (``SetSystemPrompt``,
+``SwitchModel``); its result comes back as its own message (``ui/messages.py``), whose handler on
+the engine client (``ui/engine_link.py``) calls :meth:`Comforts.system_changed` /
+:meth:`Comforts.model_switched`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from chatapp.engine.requests import Request, SetSystemPrompt, SwitchModel
 
 from .clipboard import copyables, last_code_block, last_reply
 from .dialogs import CopyDialog, ExportDialog, ModelDialog, SystemPromptDialog
-from .widgets import Entry
+from .transcript import Transcript
 
 COMFORT_BINDINGS = [
     Binding("f8", "copy_last_reply", "Copy", show=False),
@@ -49,27 +52,34 @@ COMFORT_KEYS = [
 RECENT_MODELS = 8
 
 
-class ComfortHost(Protocol):
-    """What the comforts use of the app (``ChatApp``): public names only."""
+class EngineView(Protocol):
+    """What the comforts use of the engine client (``ChatApp.engine``, ui/engine_link.py): the
+    conversation and the model on screen, the session as last described, and its requests."""
 
-    config: Any
-    entries: list[Entry]
     conversation_id: int | None
     conversation_title: str
-    model_id: str
+    model_id: str  # a model switch sets it
     info: SessionInfo | None
     store_notes: list[tuple[str, str]]
     loaded: bool
+
+    def submit(self, request: Request) -> None: ...
+    def set_phase(self, phase: str) -> None: ...
+    def notice(self, note: str) -> None: ...
+    def show_session(self, info: SessionInfo | None) -> None: ...
+
+
+class ComfortHost(Protocol):
+    """What the comforts use of the app (``ChatApp``): public names only, and its parts."""
+
+    config: Any  # a model switch replaces it
+    transcript: Transcript  # the messages on screen (ui/transcript.py)
+    engine: EngineView
 
     def notify(self, message: str, **kwargs: Any) -> None: ...
     def copy_to_clipboard(self, text: str) -> None: ...
     def push_screen(self, screen: Any, callback: Callable[[Any], Any] | None = None) -> Any: ...
     def refuse_busy(self, what: str) -> bool: ...
-    def submit(self, request: Request) -> None: ...
-    def set_phase(self, phase: str) -> None: ...
-    def notice(self, note: str) -> None: ...
-    def show_session(self, info: SessionInfo | None) -> None: ...
-    async def show_system_prompt(self, text: str) -> None: ...
 
 
 class Comforts:
@@ -90,13 +100,13 @@ class Comforts:
                          timeout=3)
 
     def copy_last_reply(self) -> None:
-        self._copy(last_reply(self.host.entries), "the last reply")
+        self._copy(last_reply(self.host.transcript.entries), "the last reply")
 
     def copy_code(self) -> None:
-        self._copy(last_code_block(self.host.entries), "code block")
+        self._copy(last_code_block(self.host.transcript.entries), "code block")
 
     def copy_dialog(self) -> None:
-        items = copyables(self.host.entries)
+        items = copyables(self.host.transcript.entries)
         if not items:
             self.host.notify("nothing to copy yet", markup=False, timeout=3)
             return
@@ -108,13 +118,13 @@ class Comforts:
         from chatapp.store.db import ConversationInfo, StoredMessage
         from chatapp.store.export import to_json, to_markdown
 
-        host, now = self.host, time.time()
-        info = ConversationInfo(host.conversation_id or 0, host.conversation_title, host.model_id, "", "",
-                                host.info.fmt if host.info else "", now, now, len(host.entries), 0)
+        engine, entries, now = self.host.engine, self.host.transcript.entries, time.time()
+        info = ConversationInfo(engine.conversation_id or 0, engine.conversation_title, engine.model_id, "", "",
+                                engine.info.fmt if engine.info else "", now, now, len(entries), 0)
         msgs = [StoredMessage(i, e.role, e.text,
                               "interrupted" if e.widget is not None and e.widget.has_class("interrupted")
                               else "complete", now, now)
-                for i, e in enumerate(host.entries)]
+                for i, e in enumerate(entries)]
         return to_markdown(info, msgs) if fmt == "markdown" else to_json(info, msgs)
 
     def _export_to(self, fmt: str, path: Path) -> str:
@@ -128,20 +138,20 @@ class Comforts:
         return ""
 
     def export(self) -> None:
-        host = self.host
-        if not host.entries:
+        host, engine = self.host, self.host.engine
+        if not host.transcript.entries:
             host.notify("nothing to export yet", markup=False, timeout=3)
             return
-        slug = re.sub(r"[^A-Za-z0-9]+", "-", host.conversation_title or "").strip("-").lower()[:40]
-        stem = "chatapp-" + (str(host.conversation_id) if host.conversation_id else "chat") + (f"-{slug}" if slug
-                                                                                             else "")
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", engine.conversation_title or "").strip("-").lower()[:40]
+        stem = "chatapp-" + (str(engine.conversation_id) if engine.conversation_id else "chat") + (
+            f"-{slug}" if slug else "")
         host.push_screen(ExportDialog(stem, self._export_to))
 
     # ---- themes ---------------------------------------------------------------------------------
     def theme_changed(self, name: str) -> None:
         """A theme chosen from the palette ("Change theme") is remembered in the user config."""
         host = self.host
-        if not host.loaded or name == host.config.ui.theme:
+        if not host.engine.loaded or name == host.config.ui.theme:
             return
         from chatapp.config_write import ConfigWriteError, remember
 
@@ -157,7 +167,7 @@ class Comforts:
     def system_prompt(self) -> None:
         if self.host.refuse_busy("system prompt"):
             return
-        current = next((e.text for e in self.host.entries[:1] if e.role == "system"), "")
+        current = next((e.text for e in self.host.transcript.entries[:1] if e.role == "system"), "")
 
         def done(text: str | None) -> None:
             if text is not None:
@@ -166,7 +176,7 @@ class Comforts:
         self.host.push_screen(SystemPromptDialog(current), done)
 
     def set_system_prompt(self, text: str) -> None:
-        self.host.submit(SetSystemPrompt(text))  # SystemChange brings the session's description
+        self.host.engine.submit(SetSystemPrompt(text))  # SystemChange brings the session's description
 
     async def system_changed(self, change: SystemChange) -> None:
         """The engine set the system prompt: the config keeps it (Ctrl+N keeps it, as the session
@@ -176,8 +186,8 @@ class Comforts:
         if not change.changed:
             return
         host.config.chat.system = change.text
-        await host.show_system_prompt(change.text)
-        host.show_session(change.info)
+        await host.transcript.show_system_prompt(change.text)
+        host.engine.show_session(change.info)
 
     # ---- switch model ---------------------------------------------------------------------------
     def recent_models(self) -> list[str]:
@@ -202,7 +212,7 @@ class Comforts:
     def open_model_dialog(self) -> None:
         if self.host.refuse_busy("switch model"):
             return
-        self.model_dialog = ModelDialog(self.host.model_id, self.recent_models(), self.switch_model)
+        self.model_dialog = ModelDialog(self.host.engine.model_id, self.recent_models(), self.switch_model)
         self.host.push_screen(self.model_dialog)
 
     def switch_model(self, spec: str) -> None:
@@ -212,8 +222,8 @@ class Comforts:
             if dialog is not None and dialog.is_attached:  # let the dialog take another Enter
                 dialog.failed("not switched: wait for the reply to finish (Esc stops it), then press Enter again")
             return
-        self.host.submit(SwitchModel(spec))  # ModelSwitch brings the new session's description
-        self.host.set_phase(f"loading {spec}")
+        self.host.engine.submit(SwitchModel(spec))  # ModelSwitch brings the new session's description
+        self.host.engine.set_phase(f"loading {spec}")
 
     def model_progress(self, detail: str) -> bool:
         """A switch compiling the new model's kernels: shown in the dialog; False when none is open."""
@@ -224,7 +234,7 @@ class Comforts:
 
     async def model_switched(self, result: ModelSwitch) -> None:
         host, dialog = self.host, self.model_dialog
-        host.set_phase("")
+        host.engine.set_phase("")
         if not result.ok:
             if dialog is not None and dialog.is_attached:
                 dialog.failed(result.line())
@@ -232,15 +242,15 @@ class Comforts:
                 host.notify(result.line(), severity="error", markup=False, timeout=10)
             return
         host.config = result.config if result.config is not None else host.config
-        host.model_id = result.model_id
-        host.store_notes.append(("note", result.line()))
+        host.engine.model_id = result.model_id
+        host.engine.store_notes.append(("note", result.line()))
         if dialog is not None and dialog.is_attached:
             dialog.dismiss(None)
         self.model_dialog = None
         host.notify(result.line(), title="model switched", markup=False, timeout=12)
         for note in result.notes:
-            host.notice(note)
-        host.show_session(result.info)
+            host.engine.notice(note)
+        host.engine.show_session(result.info)
 
     # ---- the command palette ----------------------------------------------------------------------
     def commands(self) -> Iterable[SystemCommand]:

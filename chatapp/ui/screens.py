@@ -425,7 +425,7 @@ class SessionsScreen(ModalScreen):
     def action_search(self) -> None:
         from .search_screen import open_search
 
-        open_search(self, self.app.bridge.data_dir(), self.on_open)
+        open_search(self, self.app.engine.bridge.data_dir(), self.on_open)
 
     def action_rename(self) -> None:
         c = self.selected()
