@@ -88,7 +88,7 @@ def handles(*kinds: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return register
 
 
-async def deliver(app: "HasEngine", message: EngineMessage) -> None:
+async def deliver(app: HasEngine, message: EngineMessage) -> None:
     """The app's one ``@on(EngineMessage)`` handler (``ChatApp._on_engine`` is this function):
     every engine event's kind is recorded in the client's ``event_log`` and the kind's handler,
     looked up by the event's type, runs on the client (``app.engine``; one handler per kind)."""
@@ -100,7 +100,9 @@ async def deliver(app: "HasEngine", message: EngineMessage) -> None:
 
 
 class HasEngine(Protocol):
-    engine: "EngineClient"
+    """The app as ``deliver`` sees it: the holder of its engine client."""
+
+    engine: EngineClient
 
 
 class EngineHost(Protocol):
