@@ -125,6 +125,43 @@ def test_q6_k_requantisation_costs_little_next_to_q6_ks_own_rounding():
     assert np.mean(err.max(axis=1) > step / 2 * (1 + 1e-5)) < 0.01
 
 
+def _numpy_q6_k(b: np.ndarray):
+    """The numpy regrouping that gguf_kquants._q6_k ran before kernels/q6k_groups.py."""
+    q, s = q6_k_values(b)
+    q = q.reshape(-1, 2, 16).astype(np.float32)
+    s = s.reshape(-1, 2)
+    big = np.abs(s).argmax(axis=1)
+    s_big = np.take_along_axis(s, big[:, None], 1)[:, 0]
+    step = np.abs(s_big) / 4
+    safe = np.where(step == 0, 1, step)
+    t = np.rint(q * (s / safe[:, None])[:, :, None])
+    lo, hi = t.min(axis=(1, 2)), t.max(axis=(1, 2))
+    off = np.clip(128, -lo, 255 - hi)
+    off = np.where(hi - lo > 255, -lo, off)
+    k = np.clip(t + off[:, None, None], 0, 255).astype(np.uint8).reshape(-1, 256)
+    groups = step.reshape(-1, 8)
+    return k, groups, (-off.reshape(-1, 8) * groups).astype(np.float32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.binary(min_size=210 * 3, max_size=210 * 3),
+       d=st.lists(st.sampled_from([0.0, 1e-3, -2e-2, 0.5, 3.0, -7e-5]), min_size=3, max_size=3),
+       ties=st.booleans())
+def test_native_q6_k_regrouping_is_the_numpy_one_bit_for_bit(data, d, ties):
+    """Random Q6_K blocks (scales of both signs, zero, equal magnitudes): the same bytes, scales
+    and biases as the numpy version, whose error the tests above bound."""
+    from chatapp.model.gguf_kquants import _q6_k
+
+    raw = blocks_from("Q6_K", data, d)
+    if ties:  # equal |sc| in each pair, opposite signs: the first must win, as argmax's
+        sc = raw[:, 192:208].view(np.int8)
+        sc[:, 1::2] = -sc[:, 0::2].clip(-127, 127)
+    got, want = _q6_k(raw), _numpy_q6_k(raw)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(g, w)
+
+
 def logits(model) -> np.ndarray:
     return np.array(model(mx.array([[5, 80, 120, 7, 33, 200, 9, 14, 99, 3]])).astype(mx.float32))
 

@@ -84,10 +84,12 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 def _five_bit(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1: 16 bytes of nibbles (element j low, j + 16 high) + 4 bytes of fifth bits
-    (bit j of the little-endian uint32 for element j) -> uint8 [n, 32]."""
-    q = np.concatenate([qs & 15, qs >> 4], axis=1)
-    high = np.unpackbits(qh, axis=1, bitorder="little")  # [n, 32]: bit j of the word
-    return q | (high << 4)
+    (bit j of the little-endian uint32 for element j) -> uint8 [n, 32] (kernels/kquant_blocks.py)."""
+    from chatapp.kernels.kquant_blocks import five_bit_values
+
+    out = np.empty((qs.shape[0], 32), np.uint8)
+    five_bit_values(np.ascontiguousarray(qs), np.ascontiguousarray(qh), out)
+    return out
 
 
 def _q5_0(b: np.ndarray):
@@ -148,22 +150,17 @@ def q6_k_values(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q6_k(b: np.ndarray):
-    """8-bit groups of 32 from two 16-value sub-blocks (see the module's docstring)."""
+    """8-bit groups of 32 from two 16-value sub-blocks (see the module's docstring), natively
+    (kernels/kquant_blocks.py)."""
+    from chatapp.kernels.kquant_blocks import q6_k_groups
+
     q, s = q6_k_values(b)
-    q = q.reshape(-1, 2, 16).astype(np.float32)  # [groups, sub-block, 16]
-    s = s.reshape(-1, 2)
-    big = np.abs(s).argmax(axis=1)
-    s_big = np.take_along_axis(s, big[:, None], 1)[:, 0]
-    step = np.abs(s_big) / 4  # S
-    safe = np.where(step == 0, 1, step)
-    # the values in units of S: the larger sub-block's are 4 (q - 32) sgn, whole numbers
-    t = np.rint(q * (s / safe[:, None])[:, :, None])
-    lo, hi = t.min(axis=(1, 2)), t.max(axis=(1, 2))
-    off = np.clip(128, -lo, 255 - hi)  # a zero point keeping both sub-blocks' levels in 0..255
-    off = np.where(hi - lo > 255, -lo, off)
-    k = np.clip(t + off[:, None, None], 0, 255).astype(np.uint8).reshape(-1, 256)
-    groups = step.reshape(-1, 8)
-    return k, groups, (-off.reshape(-1, 8) * groups).astype(np.float32)
+    groups = q.size // 32
+    k = np.empty((groups, 32), np.uint8)
+    scale, bias = np.empty(groups, np.float32), np.empty(groups, np.float32)
+    q6_k_groups(np.ascontiguousarray(q.reshape(groups, 32)), np.ascontiguousarray(s.reshape(groups, 2)), k, scale,
+                bias)
+    return k.reshape(-1, 256), scale.reshape(-1, 8), bias.reshape(-1, 8)
 
 
 _AFFINE = {"Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
