@@ -15,7 +15,7 @@ from mlx_lm.models import qwen2, qwen3  # noqa: E402
 
 from cache import CacheSettings, install_attention, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import is_fused  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
 from chatapp.backend.fused_support import fused_unsupported  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from chatapp.model.synthetic import randomize  # noqa: E402

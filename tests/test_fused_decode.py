@@ -15,7 +15,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cache import CacheSettings, install_attention, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
 from chatapp.backend.fused_support import fused_unsupported  # noqa: E402
 from chatapp.model.synthetic import LlamaShape, build_random_llama  # noqa: E402
 from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401

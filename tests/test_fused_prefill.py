@@ -16,7 +16,8 @@ from hypothesis import strategies as st  # noqa: E402
 from cache import CacheSettings, make_caches  # noqa: E402
 from cache.kv import SegmentedKVCache  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import FusedDecoder, is_fused  # noqa: E402
+from chatapp.backend.fused_decode import FusedDecoder  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from tests.fused_llama import SHAPE as SMALL  # noqa: E402
 from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401

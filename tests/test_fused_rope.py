@@ -16,7 +16,7 @@ from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE  # noqa: E402
 
 from cache import CacheSettings, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import is_fused  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
 from chatapp.backend.fused_support import fused_unsupported, rope_frequencies  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from tests.fused_llama import SHAPE, _no_leftover_kernels, small_llama  # noqa: E402, F401

@@ -12,7 +12,7 @@ pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Li
 
 from cache import CacheSettings, make_caches  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import is_fused  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
 from tests.test_fused_decode import _close, _decode, _model  # noqa: E402

@@ -159,7 +159,7 @@ def test_no_features_falls_back_to_portable_code(monkeypatch):
 
 def test_fused_fast_decode_stays_close_to_exact():
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.backend.fused_decode import is_fused
+    from chatapp.backend.fused_install import is_fused
     from tests.test_fused_decode import SMOL, _decode, _model
 
     exact, fast = _model(), _model()

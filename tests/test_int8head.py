@@ -157,7 +157,7 @@ def test_fused_decoder_takes_the_int8_head_under_fast_only():
     import mlx.core as mx
 
     from chatapp.backend.cpu import apply_fast_path
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_install import fused_decoder
     from tests.test_fused_decode import _model
 
     model = _model()  # a tied 8-bit embedding: the head

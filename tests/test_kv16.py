@@ -17,10 +17,10 @@ from numba import njit  # noqa: E402
 from cache import CacheSettings, convert_caches, make_caches  # noqa: E402
 from cache.buffers import FullBuffer  # noqa: E402
 from cache.factory import restore_caches  # noqa: E402
-from chatapp.backend import fused_decode  # noqa: E402
+from chatapp.backend import fused_install  # noqa: E402
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
 from chatapp.backend.decode_attention import decode_full, decode_mixed  # noqa: E402
-from chatapp.backend.fused_decode import fused_decoder  # noqa: E402
+from chatapp.backend.fused_install import fused_decoder  # noqa: E402
 from chatapp.backend.fused_settings import resolve_kv_dtype  # noqa: E402
 from chatapp.backend.qlinear import last_position_only  # noqa: E402
 from chatapp.kernels import half  # noqa: E402
@@ -272,7 +272,7 @@ def test_the_plan_and_show_config_name_the_kv_dtype():
     assert any("K/V cache float32 (cpu.kv_dtype = float32" in ln for ln in lines)
     with pytest.raises(ValueError):
         apply_fast_path(_model(None), backend="cpu", warm_up=False, kv_dtype="half")
-    assert fused_decode.KV_MX["float16"] == mx.float16
+    assert fused_install.KV_MX["float16"] == mx.float16
     # what the prefix store's namespace names as the caches' dtype (store/prefixes.namespace_for)
-    assert fused_decode.cache_kv_dtype(m) == mx.float16 and fused_decode.cache_kv_dtype(_model(None)) is None
-    assert fused_decode.cache_kv_dtype(_model("float32")) == mx.float32
+    assert fused_install.cache_kv_dtype(m) == mx.float16 and fused_install.cache_kv_dtype(_model(None)) is None
+    assert fused_install.cache_kv_dtype(_model("float32")) == mx.float32

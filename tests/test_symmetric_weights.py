@@ -16,7 +16,7 @@ from hypothesis import strategies as st  # noqa: E402
 from numba import njit  # noqa: E402
 
 from chatapp.backend.cpu import apply_fast_path  # noqa: E402
-from chatapp.backend.fused_decode import fused_decoder  # noqa: E402
+from chatapp.backend.fused_install import fused_decoder  # noqa: E402
 from chatapp.kernels import affine  # noqa: E402
 from chatapp.kernels.affine import drop_symmetric_biases, is_symmetric  # noqa: E402
 from tests.q4_weights import quantized  # noqa: E402

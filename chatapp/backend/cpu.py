@@ -272,7 +272,7 @@ def accelerate_model(
     if act is not None:
         _match_scales_to_activations(replaced, plan.kernel_layers, act)
     plan.applied = True
-    from .fused_decode import install_fused_decode, uninstall_fused_decode
+    from .fused_install import install_fused_decode, uninstall_fused_decode
     from .precompile import prefill_types, start_prefill_compile, wait_for
     from .warmup import announce_when_slow, warm_up_kernels
 

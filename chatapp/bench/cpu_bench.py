@@ -124,7 +124,7 @@ def greedy_decode(model, cache, inputs, n: int) -> tuple[list[int], list[float]]
     import mlx.core as mx
 
     from cache import reserve_tokens
-    from chatapp.backend.fused_decode import steps_synchronously
+    from chatapp.backend.fused_install import steps_synchronously
     from chatapp.engine.generate import decode_tokens
 
     reserve_tokens(cache, len(inputs) + n)

@@ -32,7 +32,7 @@ def run_chatapp(spec: dict, numerics: str = "exact", write_in_place: bool = True
     import mlx.core as mx
 
     from cache import make_caches
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_install import fused_decoder
     from chatapp.bench.cpu_bench import chatapp_prefill, greedy_decode
     from chatapp.config import Config
     from chatapp.engine.setup import cache_settings_from, load_engine, session_from_config

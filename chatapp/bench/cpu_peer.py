@@ -77,7 +77,7 @@ def run_chatapp(spec: dict, fused_decode: bool = True, numerics: str = "exact", 
         return res
 
     # weight bytes a decoded token reads: every quantised layer once (the embedding: one row)
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_install import fused_decoder
     from chatapp.backend.qlinear import is_routed
 
     decoder = fused_decoder(model)

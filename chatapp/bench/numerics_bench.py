@@ -166,7 +166,7 @@ def run(args) -> int:
         models[numerics] = model
     ids = tokenizer.encode(Path(args.text).read_text(), add_special_tokens=False)[: args.tokens]
     logits = {n: _teacher_forced(m, ids) for n, m in models.items()}
-    from chatapp.backend.fused_decode import fused_decoder
+    from chatapp.backend.fused_install import fused_decoder
     from chatapp.backend.fused_settings import resolve_kv_dtype
 
     dec = fused_decoder(models["fast"])

@@ -28,7 +28,7 @@ from cache import (
 )
 from cache.layers import is_ours, uniform
 from cache.settings import AUTO, AUTO_STARTS_AS, DIALOG_KNOBS, knob_values, starting_mode
-from chatapp.backend.fused_decode import steps_synchronously
+from chatapp.backend.fused_install import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
 from chatapp.prompt.conversation import Conversation, Message, common_prefix
 from chatapp.prompt.formats import PromptFormat

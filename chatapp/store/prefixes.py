@@ -178,7 +178,7 @@ def block_info(path: Path) -> BlockInfo:
 def namespace_for(session, weights_fingerprint: str, model_id: str = "") -> Namespace:
     """The namespace of a session's K/V: its model's weights and arguments, its prompt format,
     the dtype and geometry of its caches."""
-    from chatapp.backend.fused_decode import cache_kv_dtype
+    from chatapp.backend.fused_install import cache_kv_dtype
     from chatapp.model.device import activation_float_dtype, dtype_name
 
     # the fused CPU routes keep K/V in their own dtype (cpu.kv_dtype), else the model's
