@@ -26,14 +26,11 @@ class _FakeSession:
         from types import SimpleNamespace
 
         self.calls = []
-        self.flag = threading.Event()
+        self.flag = threading.Event()  # the worker's cancel flag once made (``_maker``)
         self.conversation = SimpleNamespace(messages=[])
 
     def load_lines(self):
         return ["loaded"]
-
-    def start_request(self):
-        self.flag.clear()
 
     def send(self, text):
         self.calls.append(("send", text, "cancelled" if self.flag.is_set() else "clear"))
@@ -41,10 +38,10 @@ class _FakeSession:
         yield TurnDone(text, TurnStats())
 
     def switch(self, mode, **changes):  # the worker's SwitchMode: within the request it began
-        from chatapp.engine.events import SwitchReport
+        from chatapp.engine.events import Switched
 
         self.calls.append(("switch_mode", mode, "cancelled" if self.flag.is_set() else "clear"))
-        return SwitchReport(mode, "converted", "", 0.0)
+        return Switched(mode, "converted", "", 0.0)
 
     def new_chat(self):
         self.calls.append(("new_chat",))
@@ -52,8 +49,16 @@ class _FakeSession:
     def describe(self):
         raise RuntimeError("no cache here")
 
-    def cancel(self):
-        self.flag.set()
+
+
+def _maker(session):
+    """The worker's ``make_session``: the fake session on the worker's cancel flag."""
+
+    def make(emit, cancel):
+        session.flag = cancel
+        return session
+
+    return make
 
 
 def _run_worker(requests, cancel_after=(), session=None):
@@ -67,9 +72,9 @@ def _run_worker(requests, cancel_after=(), session=None):
     def on_event(ev):
         got.append(ev)
         if isinstance(ev, cancel_after):
-            session.cancel()
+            worker.cancel()  # Esc: EngineBridge.cancel -> EngineWorker.cancel
 
-    worker = EngineWorker(lambda emit: session, on_event)
+    worker = EngineWorker(_maker(session), on_event)
     worker.start()
     for r in requests:
         worker.submit(r)
@@ -126,7 +131,7 @@ def test_a_part_takes_request_kinds_through_the_one_dispatcher():
 
     got, taken, stopped = [], [], []
     session = _FakeSession()
-    worker = EngineWorker(lambda emit: session, got.append)
+    worker = EngineWorker(_maker(session), got.append)
     worker.handle(NewChat, lambda request: taken.append(request))
     worker.on_stop(lambda: stopped.append(threading.current_thread().name))
     worker.start()
@@ -146,6 +151,22 @@ def test_each_request_starts_with_a_clear_cancel_flag():
     session, got = _run_worker([Send("one"), SwitchMode("window"), Send("two")], cancel_after=(TurnDone,))
     assert session.calls == [("send", "one", "clear"), ("switch_mode", "window", "clear"),
                              ("send", "two", "clear")]
+
+
+def test_a_switch_whose_description_fails_still_reports_the_switch():
+    """The switch is its own event (``Switched``, the report with the session it produced); when
+    only the description fails after a switch that happened, the report still goes out (no
+    ``info``), then a Failed that says the switch happened, not "switch_mode failed"."""
+    from chatapp.engine.requests import SwitchMode
+
+    _, got = _run_worker([SwitchMode("window")])  # the fake session cannot describe itself
+    kinds = [type(e) for e in got[1:]]
+    assert kinds == [engine_events.Switched, Failed, Idle]
+    switched, failed = got[1], got[2]
+    assert switched.mode == "window" and switched.action == "converted" and switched.info is None
+    assert failed.message == ("cache mode window: switched, but the session could not describe itself: "
+                              "no cache here")
+    assert "switch_mode failed" not in failed.message
 
 
 def test_state_changes_carry_the_session_they_produce():
@@ -176,7 +197,8 @@ def test_state_changes_carry_the_session_they_produce():
 
 def test_every_event_kind_has_its_message():
     pytest.importorskip("textual")
-    from chatapp.ui.messages import MESSAGES, message_for
+    from chatapp.ui.bridge import EngineBridge
+    from chatapp.ui.messages import MESSAGES
 
     travelling = [engine_events.LoadProgress, engine_events.Loaded, engine_events.SessionInfo,
                   engine_events.PrefillProgress, engine_events.TokenEvent, engine_events.TurnDone,
@@ -188,10 +210,12 @@ def test_every_event_kind_has_its_message():
         assert cls in MESSAGES, cls
     kinds = [m.kind for m in MESSAGES.values()]
     assert len(set(kinds)) == len(kinds) and all(kinds)
-    msg = message_for(Idle())
-    assert msg.kind == "Idle" and isinstance(msg.event, Idle)
+    posted = []
+    bridge = EngineBridge(None, posted.append)  # what the engine thread's events go through
+    bridge.on_event(Idle())
+    assert posted[0].kind == "Idle" and isinstance(posted[0].event, Idle)
     with pytest.raises(KeyError):
-        message_for(object())
+        bridge.on_event(object())
 
 
 def test_stats_log_appends_one_row_per_turn(tmp_path):

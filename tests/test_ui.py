@@ -405,7 +405,7 @@ async def test_switch_during_a_reply_applies_when_it_ends(stories4_path):
         await ready(pilot)
         await type_and_send(pilot, "Once upon a time", wait=False)
         await wait_until(pilot, lambda: app.engine.event_log.count("TokenEvent") >= 3, what="some tokens")
-        app.switch_mode("window", {})
+        app.action_cache_mode("window", {})
         await wait_until(pilot, lambda: app.engine.info.mode == "window" and not app.engine.busy, what="the switch")
         log = list(app.engine.event_log)
         assert log.index("TurnDone") < log.index("Switched")
@@ -510,7 +510,7 @@ async def test_failed_switch_shows_the_message_not_a_traceback(stories4_path):
     async with app.run_test(size=(120, 30)) as pilot:
         await ready(pilot)
         await turn(pilot, "Hello")
-        app.switch_mode("quantized", {})
+        app.action_cache_mode("quantized", {})
         await wait_until(pilot, lambda: "Failed" in app.engine.event_log and not app.engine.busy, what="the failure")
         message, detail = app.engine.failures[-1]
         assert "head_dim" in message and "Traceback" in detail
@@ -635,11 +635,11 @@ def gate_load(app, before=None):
     gate = threading.Event()
     load = app.engine.bridge.make_session
 
-    def held(emit):
+    def held(emit, cancel):
         if before is not None:
             before(emit)
         assert gate.wait(60), "the test never released the load"
-        return load(emit)
+        return load(emit, cancel)
 
     app.engine.bridge.make_session = held
     return gate

@@ -20,7 +20,6 @@ from chatapp.engine.events import LoadProgress  # noqa: E402
 from chatapp.store import ChatStore  # noqa: E402
 from chatapp.ui.clipboard import code_blocks, copyables, last_code_block  # noqa: E402
 from chatapp.ui.dialogs import CopyDialog, ExportDialog, ModelDialog, SystemPromptDialog  # noqa: E402
-from chatapp.ui.messages import message_for  # noqa: E402
 
 pytestmark = pytest.mark.shared
 
@@ -230,11 +229,11 @@ async def test_the_model_dialog_shows_the_kernels_compiling_during_a_switch(stor
     app = make_app(stories4_path)
     async with app.run_test(size=(160, 30)) as pilot:
         dialog = await open_model_dialog(pilot)
-        app.post_message(message_for(LoadProgress("kernels", compiling_line(12))))
+        app.engine.bridge.on_event(LoadProgress("kernels", compiling_line(12)))
         await pilot.pause()
         assert "compiling the CPU" not in await screen_text(pilot)
         dialog.loading_spec = "other.gguf"  # as choose() leaves it while the worker loads
-        app.post_message(message_for(LoadProgress("kernels", compiling_line(12))))
+        app.engine.bridge.on_event(LoadProgress("kernels", compiling_line(12)))
         await pilot.pause()
         text = await screen_text(pilot)
         assert "loading other.gguf" in text and "compiling the CPU" in text and "12 s so far" in text

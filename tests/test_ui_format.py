@@ -25,7 +25,6 @@ from chatapp.ui.format import (
     memory_items,
     mode_table,
     model_label,
-    next_mode,
     pack,
     policy_text,
     render_lines,
@@ -179,12 +178,20 @@ def test_validate_mode_fields():
     assert errors == {"kv_key_layout": "must be token or channel"}
 
 
-def test_next_mode_cycles_through_all():
-    seen, mode = [], "auto"
+def test_f3_cycles_through_every_mode():
+    """F3's action with no mode asks for the mode after the one asked for last, round ``MODES``."""
+    from chatapp.config import Config
+    from chatapp.ui.app import ChatApp
+
+    app = ChatApp(Config())
+    app.engine.loaded = True
+    sent = []
+    app.engine.submit = sent.append  # the requests F3 makes, not sent to an engine
     for _ in MODES:
-        mode = next_mode(mode)
-        seen.append(mode)
-    assert sorted(seen) == sorted(MODES) and seen[-1] == "auto"
+        app.action_cache_mode()
+    seen = [request.mode for request in sent]
+    assert sorted(seen) == sorted(MODES) and seen[-1] == app.config.cache.mode == "auto"
+    assert seen[0] == MODES[(MODES.index("auto") + 1) % len(MODES)]
 
 
 # ---- widgets in a bare app --------------------------------------------------------------------

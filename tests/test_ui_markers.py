@@ -62,7 +62,7 @@ async def test_markers_follow_the_cache_and_the_first_eviction_is_noted_once():
         assert len(app.query(CacheNotice)) == 1  # once per conversation
 
         # A switch to prealloc re-prefills every token: every marker turns to held.
-        app.switch_mode("prealloc")
+        app.action_cache_mode("prealloc")
         await wait_until(pilot, lambda: not app.engine.busy and app.engine.info.mode == "prealloc", what="the switch")
         assert set(states(app)) == {"held"}
 

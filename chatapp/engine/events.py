@@ -22,12 +22,18 @@ from chatapp.engine.stats import CacheView, MemoryGauges, TurnStats
 
 
 @dataclass
-class SwitchReport:
+class Switched:
+    """A cache-mode switch (``Session.switch``): what it did, and, once it crosses the engine thread,
+    the session it produced (``info``, set by the worker: the UI's figures come from it). One
+    dataclass is the switch's report and its event; ``--no-tui``'s ``/mode`` and the auto policy
+    read the report alone."""
+
     mode: str
     action: str  # "converted", "reprefilled", "stopped" (a cancel ended the re-prefill), "unchanged"
     reason: str
     seconds: float
     notes: list[str] = field(default_factory=list)
+    info: SessionInfo | None = None  # the session in its new mode (None: not described)
 
     def line(self) -> str:
         verb = {"converted": "converted the live cache", "reprefilled": "re-prefilled the conversation",
@@ -111,12 +117,6 @@ class Failed:
     message: str  # one line for the user
     detail: str = ""  # traceback, for --verbose / logs
     info: SessionInfo | None = None  # the session after the failed request (it may have changed part-way)
-
-
-@dataclass
-class Switched:
-    report: SwitchReport
-    info: SessionInfo | None = None  # the session in its new mode (the UI's figures come from it)
 
 
 @dataclass

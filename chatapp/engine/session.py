@@ -35,7 +35,7 @@ from chatapp.prompt.formats import PromptFormat
 from chatapp.prompt.render_match import render_as_generated
 
 from .cache_view import session_view
-from .events import Admission, PrefillProgress, SessionInfo, SwitchReport, TokenEvent, TurnDone
+from .events import Admission, PrefillProgress, SessionInfo, Switched, TokenEvent, TurnDone
 from .generate import GenerationSettings, StopMatcher, TokenPicker, decode_tokens, reply_end_ids
 from .memory import read_gauges
 from .prefix import PrefixSource, warm_start
@@ -130,17 +130,18 @@ class Session:
                 self.notices.append(note)
             return "window"
 
-    def switch_mode(self, mode: str, **changes) -> SwitchReport:
+    def switch_mode(self, mode: str, **changes) -> Switched:
         """Switch the cache mode (and settings) now: convert the live cache, or re-prefill.
         A request of its own for a front end that drives the Session directly (``--no-tui``'s
         ``/mode``, the benches): it starts with a clear cancel flag, then :meth:`switch`."""
         self.start_request()
         return self.switch(mode, **changes)
 
-    def switch(self, mode: str, **changes) -> SwitchReport:
+    def switch(self, mode: str, **changes) -> Switched:
         """Switch the cache mode within a request already running, keeping its cancel flag: the
         engine worker's ``SwitchMode`` (the worker cleared the flag as the request began), a turn's
-        auto policy, a restore."""
+        auto policy, a restore. The report (:class:`Switched`) is the worker's event too, once it
+        adds the session's description (``info``)."""
         if mode == AUTO:
             target = self._long_mode() if len(self.cached) > self.long_after else AUTO_STARTS_AS
         else:
@@ -161,11 +162,11 @@ class Session:
             if len(self.cached) < len(tokens):  # cancelled between two chunks; the caches hold what ran
                 reason = (f"cancelled after {len(self.cached)} of {len(tokens)} tokens; "
                           "the next turn prefills the rest")
-                return SwitchReport(target, "stopped", reason, time.perf_counter() - start, notes)
-            return SwitchReport(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
-        return SwitchReport(target, conv.action, conv.reason, time.perf_counter() - start, notes)
+                return Switched(target, "stopped", reason, time.perf_counter() - start, notes)
+            return Switched(target, "reprefilled", conv.reason, time.perf_counter() - start, notes)
+        return Switched(target, conv.action, conv.reason, time.perf_counter() - start, notes)
 
-    def _apply_policy(self, upcoming: int) -> SwitchReport | None:
+    def _apply_policy(self, upcoming: int) -> Switched | None:
         """Auto mode: AUTO_STARTS_AS while short, the long-history policy once past ``long_after``."""
         if self.requested_mode != AUTO or self.settings.evicts or upcoming <= self.long_after:
             return None
@@ -313,9 +314,9 @@ class Session:
 
         A cancel stops what runs when it is set; one that arrives as a reply ends (Esc after the
         last token, or a reply cancelled with a mode switch queued behind it) must not stop the
-        next request. The engine's dispatcher calls this before every request
-        (``EngineWorker._run``); :meth:`reply` and :meth:`switch_mode` call it too, for front ends
-        that drive a Session directly (``--no-tui``'s ``/mode``, the benches)."""
+        next request. :meth:`reply` and :meth:`switch_mode` call it, for front ends that drive a
+        Session directly (``--no-tui``'s ``/mode``, the benches); the engine worker, which builds
+        its sessions on its own cancel flag, clears that flag before every request itself."""
         self._cancel.clear()
 
     @property
@@ -531,7 +532,7 @@ class Session:
             (c.offset + c.evicted == n) if is_ours(c) else getattr(c, "offset", n) == n for c in self.caches)
 
     def restore_state(self, caches: list, cached: list[int], settings: CacheSettings,
-                      exact: bool = False) -> SwitchReport | None:
+                      exact: bool = False) -> Switched | None:
         """Adopt caches rebuilt from a snapshot or the prefix store (``cache.factory.restore_caches``)
         holding ``cached``; ``exact``: they hold those tokens as a full-precision prefill would.
 
@@ -560,7 +561,7 @@ class Session:
         self.caches, self.cached, self.settings = caches, list(cached), settings
         self.kv_exact = exact
 
-    def use_long_policy(self) -> SwitchReport | None:
+    def use_long_policy(self) -> Switched | None:
         """Auto mode: take the long-history policy now instead of at ``long_after`` (for a prompt
         that would run past the model's trained context). None when not in auto mode or already
         on it."""

@@ -6,7 +6,10 @@ requests (:mod:`chatapp.engine.requests`); results come back through ``on_event`
 dataclasses of :mod:`chatapp.engine.events` (the TUI turns them into Textual messages); an event
 that reports a change of the session carries the session's description after it, so a front end
 never asks again.
-``cancel()`` is safe to call from any thread.
+The worker owns the cancel flag of the sessions it serves (``cancel_token``; ``make_session``
+builds the session on it, and a model switch's new session too): ``cancel()``, safe from any
+thread, sets it, and each request starts by clearing it, so a cancel meant for the request before
+(Esc reaching a reply as it ended, an F3 switch queued behind it) stops nothing after it.
 
 One dispatcher (``_dispatch``) serves every request kind on this thread: a layer above may take a
 kind with :meth:`EngineWorker.handle` (the store's saved turns and conversations,
@@ -23,17 +26,19 @@ import traceback
 from typing import Any, Callable
 
 from .compare import compare_modes
-from .events import CompareResult, Failed, Idle, Loaded, SessionInfo, Switched, TokenEvent, TurnDone
+from .events import CompareResult, Failed, Idle, Loaded, SessionInfo, TokenEvent, TurnDone
 from .requests import Compare, Describe, EditLast, NewChat, Quit, Regenerate, Request, Send, SwitchMode
 from .session import Session
 
 
 class EngineWorker:
-    def __init__(self, make_session: Callable[[Callable[[Any], None]], Session], on_event: Callable[[Any], None]):
-        """``make_session(emit)`` loads the model (reporting progress through ``emit``) and
-        returns a Session; it runs on the worker thread."""
+    def __init__(self, make_session: Callable[[Callable[[Any], None], threading.Event], Session],
+                 on_event: Callable[[Any], None]):
+        """``make_session(emit, cancel)`` loads the model (reporting progress through ``emit``) and
+        returns a Session built on the cancel flag ``cancel``; it runs on the worker thread."""
         self._make_session = make_session
         self._emit = on_event
+        self.cancel_token = threading.Event()  # stops the running request; cleared as each begins
         self._queue: queue.Queue[Request] = queue.Queue()
         self.session: Session | None = None
         self._handlers: dict[type, Callable[[Any], None]] = {}  # request kinds a layer above takes
@@ -42,7 +47,8 @@ class EngineWorker:
 
     def handle(self, kind: type, handler: Callable[[Any], None]) -> None:
         """Before ``start``: requests of ``kind`` go to ``handler`` (on this thread) instead of the
-        engine's own handling; it may emit events and set ``session`` (a model switch)."""
+        engine's own handling; it may emit events and set ``session`` (a model switch: a session
+        built on ``cancel_token``)."""
         self._handlers[kind] = handler
 
     def on_stop(self, hook: Callable[[], None]) -> None:
@@ -56,8 +62,8 @@ class EngineWorker:
         self._queue.put(request)
 
     def cancel(self) -> None:
-        if self.session is not None:
-            self.session.cancel()
+        """Stop the running request between two steps (any thread)."""
+        self.cancel_token.set()
 
     def stop(self) -> None:
         self.cancel()
@@ -76,7 +82,7 @@ class EngineWorker:
 
     def _serve(self) -> None:
         try:
-            self.session = self._make_session(self._emit)
+            self.session = self._make_session(self._emit, self.cancel_token)
         except Exception as e:  # noqa: BLE001 - reported to the user as one line
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
             return
@@ -86,7 +92,7 @@ class EngineWorker:
             if isinstance(request, Quit):
                 return
             try:
-                self.session.start_request()  # a cancel meant for the request before is forgotten
+                self.cancel_token.clear()  # a cancel meant for the request before is forgotten
                 self._dispatch(request)
             except Exception as e:  # noqa: BLE001
                 self._emit(Failed(f"{request.kind} failed: {e}", traceback.format_exc(), self.describe()))
@@ -107,9 +113,18 @@ class EngineWorker:
             case EditLast(text):
                 self._stream(s.edit_last(text))
             case SwitchMode(mode, changes):
-                # The switch within this request (``_serve`` cleared the cancel flag as it began),
-                # its event made here with the session it produced: the front end asks nothing more.
-                self._emit(Switched(s.switch(mode, **changes), self.describe()))
+                # The switch within this request (``_serve`` cleared the cancel flag as it began);
+                # its report is the event, sent with the session it produced: the front end asks
+                # nothing more.
+                switched = s.switch(mode, **changes)
+                try:
+                    switched.info = s.describe()
+                except Exception as e:  # noqa: BLE001 - the switch happened; only its description failed
+                    self._emit(switched)
+                    self._emit(Failed(f"cache mode {switched.mode}: switched, but the session could not "
+                                      f"describe itself: {e}", traceback.format_exc()))
+                    return
+                self._emit(switched)
             case Compare(modes, max_tokens):
                 # One row per mode, sent as each finishes; a cancel ends the comparison early.
                 for n, row in enumerate(compare_modes(s, list(modes), max_tokens=max_tokens)):

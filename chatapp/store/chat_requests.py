@@ -73,8 +73,9 @@ class ChatRequests:
         worker.on_stop(self.close)
 
     # ---- loading --------------------------------------------------------------------------------------
-    def make_session(self, emit: Emit):
-        """Engine thread: load the model (reporting progress through ``emit``), then open the chat."""
+    def make_session(self, emit: Emit, cancel):
+        """Engine thread: load the model (reporting progress through ``emit``), then open the chat;
+        the session is built on ``cancel``, the worker's cancel flag."""
         from chatapp.engine.setup import load_engine, session_from_config
 
         emit(LoadProgress("load", f"loading {self.config.model.id}"))
@@ -87,7 +88,7 @@ class ChatRequests:
         loaded = load_engine(self.config, progress=on_download,
                              on_slow_warm_up=lambda line: emit(LoadProgress("kernels", line)))
         emit(LoadProgress("session", "preparing the session", 100.0))
-        session = session_from_config(self.config, loaded)
+        session = session_from_config(self.config, loaded, cancel=cancel)
         self._open_chat(session, loaded)
         return session
 
@@ -166,7 +167,7 @@ class ChatRequests:
         chat = self.chat
         result, new_chat, config = switch_model(
             self.config, chat, request.spec,
-            on_slow_warm_up=lambda line: self._emit(LoadProgress("kernels", line)))
+            on_slow_warm_up=lambda line: self._emit(LoadProgress("kernels", line)), cancel=self.worker.cancel_token)
         if result.ok:
             self.worker.session = new_chat.session
             self.chat, self.config = new_chat, config

@@ -27,13 +27,14 @@ def release_old_model(active_before: int) -> ModelReleased:
     return ModelReleased(active_before, release_memory())
 
 
-def switch_model(config, chat: PersistentChat, spec: str,
-                 on_slow_warm_up: Callable[[str], None] | None = None) -> tuple[ModelSwitch, PersistentChat, object]:
+def switch_model(config, chat: PersistentChat, spec: str, on_slow_warm_up: Callable[[str], None] | None = None,
+                 cancel=None) -> tuple[ModelSwitch, PersistentChat, object]:
     """Load ``spec`` (a folder, a repo id or a GGUF file) and move ``chat``'s conversation onto it.
 
     Returns (result, the chat to use from now on, the config that loaded it). On failure the
     old chat and config come back unchanged. ``on_slow_warm_up``: as load_engine's (the new
-    model's kernels may compile: other bits, group size or K/V dtype than the old one's)."""
+    model's kernels may compile: other bits, group size or K/V dtype than the old one's). ``cancel``:
+    the cancel flag the new session is built on (the engine worker's, as the old session's was)."""
     from chatapp.engine.model_switch import active_memory, adopt_conversation
     from chatapp.engine.setup import load_engine, session_from_config
 
@@ -48,7 +49,7 @@ def switch_model(config, chat: PersistentChat, spec: str,
     t0 = time.perf_counter()
     try:
         loaded = load_engine(new_config, on_slow_warm_up=on_slow_warm_up)
-        session = session_from_config(new_config, loaded)
+        session = session_from_config(new_config, loaded, cancel=cancel)
     except Exception as e:  # noqa: BLE001 - any failure to load: one line, the old model stays
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         result.error = f"cannot load {spec}: {text}"

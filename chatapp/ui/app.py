@@ -49,7 +49,7 @@ from chatapp.engine.requests import (
 from . import start_probe
 from .comforts import COMFORT_ACTIONS, COMFORT_BINDINGS, Comforts
 from .engine_link import INPUT_TITLE, EngineClient, deliver
-from .format import MODES, next_mode
+from .format import MODES
 from .messages import EngineMessage
 from .screens import CompareScreen, ConfigScreen, HelpScreen, LoadingScreen, ModeDialog, SessionsScreen
 from .transcript import Transcript
@@ -67,7 +67,7 @@ class ChatApp(App[int]):
         Binding("question_mark", "help", "Help", show=False),
         Binding("escape", "cancel", "Stop"),
         Binding("f2", "toggle_panel", "Panel"),
-        Binding("f3", "cycle_mode", "Mode"),
+        Binding("f3", "cache_mode", "Mode"),
         Binding("f5", "compare", "Compare"),
         Binding("ctrl+n", "new_chat", "New"),
         Binding("ctrl+r", "regenerate", "Regen"),
@@ -318,8 +318,13 @@ class ChatApp(App[int]):
             extra.append(("BLAS", self.blas.summary() if hasattr(self.blas, "summary") else str(self.blas)))
         self.push_screen(ConfigScreen(self.config, extra))
 
-    def switch_mode(self, mode: str, changes: dict | None = None) -> None:
-        """Ask the engine to switch the cache mode; during a reply it applies when the reply ends."""
+    def action_cache_mode(self, mode: str | None = None, changes: dict | None = None) -> None:
+        """Ask the engine to switch the cache mode (F3, no ``mode``: the next of ``MODES`` after the
+        one asked for last; the mode dialog and the palette name it); during a reply it applies
+        when the reply ends."""
+        if mode is None:
+            current = self.engine.requested_mode
+            mode = MODES[(MODES.index(current) + 1) % len(MODES)] if current in MODES else MODES[0]
         if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
             return
@@ -331,9 +336,6 @@ class ChatApp(App[int]):
             self.engine.phase = f"switching to {mode}"
         self.engine.update_status()
 
-    def action_cycle_mode(self) -> None:
-        self.switch_mode(next_mode(self.engine.requested_mode))
-
     def action_mode_dialog(self) -> None:
         if not self.engine.loaded:
             self.notify("the model is still loading", severity="warning", markup=False)
@@ -344,7 +346,7 @@ class ChatApp(App[int]):
         def done(result) -> None:
             if result is not None:
                 mode, changes = result
-                self.switch_mode(mode, changes)
+                self.action_cache_mode(mode, changes)
 
         dialog = ModeDialog(self.engine.requested_mode, settings, effective, busy=self.engine.busy)
         self.push_screen(dialog, done)
@@ -395,7 +397,7 @@ class ChatApp(App[int]):
     # Actions of the main screen: off while a dialog (or the loading screen) is on top, so that,
     # say, Ctrl+N in the mode dialog does not start a new chat behind it.
     MAIN_ACTIONS = frozenset({"cancel", "new_chat", "regenerate", "edit_last", "clear", "toggle_panel",
-                              "cycle_mode", "mode_dialog", "compare", "show_config", "sessions"}) | COMFORT_ACTIONS
+                              "cache_mode", "mode_dialog", "compare", "show_config", "sessions"}) | COMFORT_ACTIONS
 
     # ...and those that need no model: the ones open while it loads under the chat
     LOADING_ACTIONS = frozenset({"cancel", "toggle_panel", "show_config"})
@@ -420,11 +422,11 @@ class ChatApp(App[int]):
                             self.action_toggle_panel)
         yield SystemCommand("Next cache mode",
                             "F3: cycle auto, concat, prealloc, quantized, window, window-quant, scored, scored-quant",
-                            self.action_cycle_mode)
+                            self.action_cache_mode)
         yield SystemCommand("Cache mode…", "F4: choose the cache mode and its settings", self.action_mode_dialog)
         for mode in MODES:
             yield SystemCommand(f"Cache mode: {mode}", f"switch the KV cache to {mode}",
-                                lambda m=mode: self.switch_mode(m), discover=False)
+                                lambda m=mode: self.action_cache_mode(m), discover=False)
         yield SystemCommand("Compare modes", "F5: replay the last turn in every cache mode", self.action_compare)
         yield SystemCommand("Show configuration", "F6: effective settings and where each came from",
                             self.action_show_config)

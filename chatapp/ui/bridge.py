@@ -5,7 +5,7 @@ callback that runs on that thread; the store's part of that thread
 (:class:`~chatapp.store.chat_requests.ChatRequests`: the saved chat, its turns and conversations)
 is held by the worker and reports through the same callback. :class:`EngineBridge` starts and
 stops the worker and turns each event into the Textual message of its kind
-(:func:`chatapp.ui.messages.message_for`; ``post_message`` is thread-safe: it hands the message
+(:data:`chatapp.ui.messages.MESSAGES`; ``post_message`` is thread-safe: it hands the message
 to the app's event loop with ``call_soon_threadsafe``). Requests go to ``worker.submit`` from the
 engine client (ui/engine_link.py), which keeps the requests in flight: the one busy state of the UI.
 """
@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from chatapp.engine.events import LoadProgress, PrefillProgress, StartupFailed, TokenEvent
 
-from .messages import message_for
+from .messages import MESSAGES
 
 
 class EngineBridge:
@@ -42,9 +42,10 @@ class EngineBridge:
         self._lock = threading.Lock()
 
     # -- engine thread ---------------------------------------------------------------------------
-    def make_session(self, emit: Callable[[Any], None]):
-        """Load the model and open the saved chat (the worker's loader; tests hold it to time a load)."""
-        return self.requests.make_session(emit)
+    def make_session(self, emit: Callable[[Any], None], cancel):
+        """Load the model and open the saved chat, the session on the worker's cancel flag (the
+        worker's loader; tests hold it to time a load)."""
+        return self.requests.make_session(emit, cancel)
 
     @property
     def chat(self):
@@ -59,7 +60,7 @@ class EngineBridge:
         if stats is not None and isinstance(event, (TokenEvent, PrefillProgress)):
             event = copy.copy(event)
             event.stats = copy.copy(stats)
-        self._post(message_for(event))
+        self._post(MESSAGES[type(event)](event))  # a KeyError: an event kind nobody handles
 
     # -- UI thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -69,12 +70,12 @@ class EngineBridge:
         threading.Thread(target=self._start_worker, name="chatapp-engine-start", daemon=True).start()
 
     def _start_worker(self) -> None:
-        self._post(message_for(LoadProgress("import", "starting the engine (importing MLX)")))
+        self.on_event(LoadProgress("import", "starting the engine (importing MLX)"))
         try:
             from chatapp.engine.worker import EngineWorker
             from chatapp.store.chat_requests import ChatRequests
         except Exception as e:  # noqa: BLE001 - shown to the user as one line
-            self._post(message_for(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc())))
+            self.on_event(StartupFailed(f"cannot start the engine: {e}", traceback.format_exc()))
             return
         with self._lock:
             if self._stopping:

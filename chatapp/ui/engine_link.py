@@ -272,8 +272,8 @@ class EngineClient:
         itself): show it, no second request. A cache-mode switch (``Switched``: F3, the mode dialog)
         says its report, then shows the session it brought. None: only the status bar is rebuilt."""
         if isinstance(info, Switched):
-            self.host.notify(info.report.line(), title="cache mode", markup=False)
-            self.mode, info = info.report.mode, info.info
+            self.host.notify(info.line(), title="cache mode", markup=False)
+            self.mode, info = info.mode, info.info
         if info is None:
             self.update_status()
             return

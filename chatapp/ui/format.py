@@ -420,11 +420,6 @@ def _field_value(knob: Knob, raw: object) -> tuple[int | str | None, str]:
     return number, ""
 
 
-def next_mode(mode: str) -> str:
-    i = MODES.index(mode) if mode in MODES else -1
-    return MODES[(i + 1) % len(MODES)]
-
-
 def fmt_when(ts: float, now: float | None = None) -> str:
     """When a conversation was last updated: the time today, else the date and time."""
     now = time.time() if now is None else now

@@ -1,8 +1,9 @@
 """What the engine tells the TUI: one Textual :class:`Message` per event kind.
 
 Every event that crosses the engine thread (:mod:`chatapp.engine.events`, their one home: the
-engine's, the store's and the bridge's own) is wrapped by :func:`message_for` into the message of
-its kind and posted to the app (``post_message`` is thread-safe). The app's one
+engine's, the store's and the bridge's own) is wrapped into the message of its kind
+(``MESSAGES[type(event)](event)``, in ``EngineBridge.on_event``; a KeyError names an event kind
+nobody handles) and posted to the app (``post_message`` is thread-safe). The app's one
 ``@on(EngineMessage)`` dispatcher hands each to its kind's handler (``ui/engine_link.HANDLERS``).
 Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which the
 engine client (``app.engine``) records in ``event_log``.
@@ -139,8 +140,3 @@ MESSAGES: dict[type, type[EngineMessage]] = {
     ConversationChanged: ConversationMessage, SystemChange: SystemPromptMessage, ModelSwitch: ModelSwitchMessage,
     ModelReleased: ModelReleasedMessage,
 }
-
-
-def message_for(event: Any) -> EngineMessage:
-    """The message of ``event``'s kind (a KeyError names an event kind nobody handles)."""
-    return MESSAGES[type(event)](event)
