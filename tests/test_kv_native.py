@@ -14,7 +14,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cache import CacheSettings, make_caches  # noqa: E402
-from chatapp.backend.fused_decode import fused_decoder  # noqa: E402
+from chatapp.backend.fused_install import fused_decoder  # noqa: E402
 from chatapp.kernels.kv_rows import quantize_rows, shift_rows  # noqa: E402
 from tests.test_fused_policies import _close, _content, _pair, _Run  # noqa: E402
 
@@ -160,3 +160,139 @@ def test_a_middle_numpy_cannot_view_goes_through_mlx():
     assert not ops.remove_front(quant, 4)
     assert ops.keys(full, quant, 0) is None
     assert full.length == 40 and quant.length == 8 and ops.declined == {"flush": 1, "remove_front": 1}
+
+
+def _quantised_head_rows(rng, H, cap, n, D, bits, group, half, magnitude):
+    """Flat quantised buffers of H heads of ``cap`` rows, the first n filled by mx.quantize of
+    random rows (the rest garbage bytes, which no kernel may read or write)."""
+    from chatapp.backend.kv_native import _flat
+
+    dtype = mx.float16 if half else mx.float32
+    rows = mx.array((rng.standard_normal((1, H, cap, D)) * magnitude).astype(np.float32)).astype(dtype)
+    arrays = mx.quantize(rows, group_size=group, bits=bits)
+    bufs = [np.array(_flat(a)[0]) for a in arrays]
+    fill = rng.integers(0, 256, bufs[0].size, dtype=np.uint8).reshape(H, -1)
+    bufs[0].reshape(H, -1)[:, n * D * bits // 8:] = fill[:, n * D * bits // 8:]
+    strides = (cap * D * bits // 8, cap * D // group)
+    return bufs, strides
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([32, 64, 128]), D=st.sampled_from([64, 128]),
+       half=st.booleans(), traditional=st.booleans(), H=st.integers(1, 3), n=st.integers(1, 300),
+       dropped=st.integers(1, 40), magnitude=st.sampled_from([0.02, 1.0, 40.0]), threads=st.integers(1, 3),
+       seed=st.integers(0, 2**31 - 1))
+def test_move_keys_equals_the_scalar_reference(bits, group, D, half, traditional, H, n, dropped, magnitude, threads,
+                                               seed):
+    """The vector, pooled move_keys leaves the packed bytes, scales and biases of every head
+    exactly as the row-by-row kernel it replaced (tests/kv_rows_reference.py), over middles long
+    enough for several chunks a head, evictions anywhere in the middle, both RoPE pairings and
+    thread counts: rows before the first evicted one untouched, rows past the kept ones as they
+    were."""
+    from chatapp.backend.kv_native import NativeRowOps
+    from chatapp.kernels import kv_rows
+    from chatapp.kernels.pool import WorkPool
+    from tests import kv_rows_reference as ref
+
+    group = min(group, D)
+    rng = np.random.default_rng(seed)
+    (p, sc, bi), (ps, ss) = _quantised_head_rows(rng, H, n + 5, n, D, bits, group, half, magnitude)
+    gone = np.sort(rng.choice(n, size=min(dropped, n - 1), replace=False)) if n > 1 else np.array([], int)
+    kept = np.ones(n, bool)
+    kept[gone] = False
+    keep = np.flatnonzero(kept)
+    deltas = -np.cumsum(~kept)[keep]
+    first = int(gone[0]) if len(gone) else n
+    ops = NativeRowOps((1.0 / 10000 ** (np.arange(0, D, 2) / D)).astype(np.float32), traditional)
+    cos, sin = ops._shift_table(deltas)
+    want = [a.copy() for a in (p, sc, bi)]
+    ref.move_keys(*want, H, ps, ss, keep, deltas, first, D, bits, group, cos, sin, traditional)
+    pool = WorkPool(threads)
+    try:
+        kv_rows.move_keys(p, sc, bi, H, ps, ss, keep, deltas, first, D, bits, group, cos, sin, traditional,
+                          threads=pool)
+    finally:
+        pool.close()
+    for got, expect in zip((p, sc, bi), want):
+        assert np.array_equal(got, expect)
+
+
+def test_move_keys_runs_in_chunks_across_heads(monkeypatch):
+    """With chunks of 16 rows, 3 heads of 100 moved rows are 21 chunks claimed by 3 threads, the
+    last chunk of each head a partial one: each chunk's rows land where the reference puts them,
+    in the right head."""
+    from chatapp.backend.kv_native import NativeRowOps
+    from chatapp.kernels import kv_rows
+    from chatapp.kernels.pool import WorkPool
+    from tests import kv_rows_reference as ref
+
+    monkeypatch.setattr(kv_rows, "MOVE_CHUNK", 16)
+    rng = np.random.default_rng(7)
+    H, n, D, bits, group = 3, 160, 64, 8, 32
+    (p, sc, bi), (ps, ss) = _quantised_head_rows(rng, H, n, n, D, bits, group, True, 1.0)
+    keep = np.sort(rng.choice(n, size=110, replace=False))
+    keep[:10] = np.arange(10)
+    keep.sort()
+    deltas = keep - np.arange(len(keep))
+    deltas = -deltas
+    first = int(np.flatnonzero(keep != np.arange(len(keep)))[0])
+    cos, sin = NativeRowOps(np.linspace(1, 1e-3, D // 2).astype(np.float32), False)._shift_table(deltas)
+    want = [a.copy() for a in (p, sc, bi)]
+    ref.move_keys(*want, H, ps, ss, keep, deltas, first, D, bits, group, cos, sin, False)
+    pool = WorkPool(3)
+    try:
+        kv_rows.move_keys(p, sc, bi, H, ps, ss, keep, deltas, first, D, bits, group, cos, sin, False, threads=pool)
+    finally:
+        pool.close()
+    assert all(np.array_equal(a, b) for a, b in zip((p, sc, bi), want))
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([4, 8]), group=st.sampled_from([32, 64]), half=st.booleans(), turn=st.booleans(),
+       traditional=st.booleans(), H=st.integers(1, 3), n=st.integers(1, 40), start=st.integers(0, 5),
+       row=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_flush_rows_equals_the_scalar_reference(bits, group, half, turn, traditional, H, n, start, row, seed):
+    """flush_rows (a head's rows loaded, turned and quantised as one block) writes what the
+    row-by-row kernel wrote, and nothing outside rows row .. row + n - 1."""
+    from chatapp.kernels.decode_step import rope_angles
+    from chatapp.kernels.kv_rows import flush_rows
+    from tests import kv_rows_reference as ref
+
+    D, cap = 64, start + n + 3
+    rng = np.random.default_rng(seed)
+    src = (rng.standard_normal((H, cap, D)) * 3).astype(np.float16 if half else np.float32)
+    src = src.view(np.uint16).reshape(-1) if half else src.reshape(-1)
+    q_cap = row + n + 2
+    P, ng = D * bits // 8, D // group
+    sdt = np.uint16 if half else np.float32
+    bufs = [rng.integers(0, 256, H * q_cap * P, dtype=np.uint8)]
+    bufs += [rng.integers(0, 2**15, H * q_cap * ng).astype(sdt) for _ in range(2)]
+    want = [a.copy() for a in bufs]
+    cos, sin = rope_angles(5, np.linspace(1, 1e-3, D // 2).astype(np.float32))
+    args = (H, cap * D, start, n, D, turn, cos, sin, traditional)
+    ref.flush_rows(src, *args, want[0], q_cap * P, want[1], want[2], q_cap * ng, row, bits, group)
+    flush_rows(src, *args, bufs[0], q_cap * P, bufs[1], bufs[2], q_cap * ng, row, bits, group)
+    for got, expect in zip(bufs, want):
+        assert np.array_equal(got, expect)
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("n_mid", [0, 37])
+def test_held_keys_equal_the_keys_as_built_before(half, n_mid):
+    """held_keys (sinks | middle dequantised in place | recent) equals the copy-by-copy build
+    the votes used before."""
+    from chatapp.kernels.kv_rows import held_keys
+    from tests import kv_rows_reference as ref
+
+    rng = np.random.default_rng(11)
+    H, D, cap, n_full, sinks, bits, group = 2, 64, 50, 41, 4, 4, 32
+    buf = rng.standard_normal(H * cap * D).astype(np.float16 if half else np.float32)
+    buf = buf.view(np.uint16) if half else buf
+    (p, sc, bi), (ps, ss) = _quantised_head_rows(rng, H, max(n_mid, 1) + 2, n_mid, D, bits, group, half, 2.0)
+    for h in range(H):
+        want = np.full((n_full + n_mid) * D, np.nan, np.float32)
+        got = want.copy()
+        args = (buf, h * cap * D, n_full, sinks, D, p, sc, bi, h * ps, h * ss, n_mid, bits, group)
+        ref.held_keys(*args, want)
+        held_keys(*args, got)
+        assert np.array_equal(got, want)

@@ -71,6 +71,17 @@ class NativeRowOps:
         # operations done here and declined (to MLX), by name: what tests and --verbose read
         self.done: dict[str, int] = {}
         self.declined: dict[str, int] = {}
+        self._scratches: dict[str, np.ndarray] = {}
+
+    def _scratch(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 array of ``shape`` over memory kept from call to call (grown as needed): the
+        votes' keys and scores are ~4 MB a layer for SmolLM2 at 4k held, which a fresh array
+        would take as new pages from the system 30 times an eviction."""
+        size = int(np.prod(shape))
+        buf = self._scratches.get(name)
+        if buf is None or buf.size < size:
+            buf = self._scratches[name] = np.empty(max(size, 2 * buf.size if buf is not None else 0), np.float32)
+        return buf[:size].reshape(shape)
 
     def _count(self, name: str, ok: bool) -> bool:
         tally = self.done if ok else self.declined
@@ -159,54 +170,82 @@ class NativeRowOps:
         return self._count("remove_front", True)
 
     # ---- the scored caches (cache/scored.py) ---------------------------------------------
-    def keys(self, full, quant, sinks: int) -> np.ndarray | None:
-        """Every held key [heads, held, D] float32 in sequence order (sinks | middle | recent),
-        the middle dequantised as stored (the scored caches keep no rotation delta); None where
-        there are no host views or the middle is not per-token."""
-        from chatapp.kernels.quant_split import dequant_rows
-
+    def _key_rows(self, full, quant, sinks: int):
+        """held_keys(h, out) writing head h's held keys [held * D] float32 into ``out``, with
+        (heads, held, D); None where there are no host views or the middle is not per-token."""
         if full.pinned is None or full.keys.dtype not in _HOST_DTYPES:
             return None
         n_mid = quant.length if quant is not None else 0
         if n_mid and not self._per_token(quant):
             return None
-        from chatapp.kernels.kv_rows import load_rows
+        from chatapp.kernels.kv_rows import held_keys
 
         H, D = full.keys.shape[1], full.keys.shape[3]
-        s = min(sinks, full.length)
-        out = np.empty((H, full.length + n_mid, D), np.float32)
+        s, n_full = min(sinks, full.length), full.length
         buf, stride = _flat(full.keys)
-        for h in range(H):  # (numpy's float16 conversion is scalar: a numba loop vectorises)
-            load_rows(buf, h * stride, s * D, out[h, :s].reshape(-1))
-            load_rows(buf, h * stride + s * D, (full.length - s) * D, out[h, s + n_mid:].reshape(-1))
         if n_mid:
             (p, ps), (sc, ss), (bi, _) = (_flat(a) for a in quant.keys)
-            mid = np.empty(n_mid * D, np.float32)
-            for h in range(H):
-                dequant_rows(p, sc, bi, h * ps, h * ss, 0, n_mid, quant.bits, quant.group_size, D, mid)
-                out[h, s:s + n_mid] = mid.reshape(n_mid, D)
+            bits, group = quant.bits, quant.group_size
+        else:  # nothing quantised: empty buffers of the types the kernel compiles for
+            p, ps, sc, bi, ss = np.empty(0, np.uint8), 0, np.empty(0, buf.dtype), np.empty(0, buf.dtype), 0
+            bits, group = 8, D
+
+        def rows(h: int, out: np.ndarray) -> None:
+            held_keys(buf, h * stride, n_full, s, D, p, sc, bi, h * ps, h * ss, n_mid, bits, group, out)
+
+        return rows, (H, n_full + n_mid, D)
+
+    def keys(self, full, quant, sinks: int) -> np.ndarray | None:
+        """Every held key [heads, held, D] float32 in sequence order (sinks | middle | recent),
+        the middle dequantised as stored (the scored caches keep no rotation delta); None where
+        there are no host views or the middle is not per-token."""
+        found = self._key_rows(full, quant, sinks)
+        if found is None:
+            return None
+        rows, shape = found
+        out = np.empty(shape, np.float32)
+        for h in range(shape[0]):
+            rows(h, out[h].reshape(-1))
         return out
 
     def votes(self, full, quant, sinks: int, queries: np.ndarray, scale: float) -> np.ndarray | None:
         """Attention mass per KV head and held token ([kv_heads, held] float32) of ``queries``
         [heads, L, D] (roped; the last L held tokens', causal among themselves), as
         sparsity.attention_mass gives it: the products through numpy's BLAS (MLX's CPU matmul
-        runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s)."""
-        keys = self.keys(full, quant, sinks)
-        if keys is None:
+        runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s).
+
+        Each KV head (its keys, its queries' scores, their softmax into its mass) is one item of
+        the kernel pool's threads, numpy's BLAS on one thread in each: left to its own threads,
+        an OpenBLAS whose cores another process holds spun and waited: on the 2-core Xeon with
+        other work running, a SmolLM2 eviction's votes (30 layers, 4,352 held) took 0.5-1.5 s,
+        against 70-80 ms this way."""
+        found = self._key_rows(full, quant, sinks)
+        if found is None:
             self._count("votes", False)
             return None
+        from chatapp.kernels.pool import pool
         from chatapp.kernels.softmax_lanes import attention_mass_rows
 
-        H, N, D = keys.shape
+        from .numpy_blas import numpy_blas
+
+        rows, (H, N, D) = found
         heads, L, _ = queries.shape
         G = heads // H
+        work = pool()
+        keys = self._scratch("keys", (work.threads, N, D))
+        scores = self._scratch("scores", (work.threads, G * L, N))
+        q = (queries.astype(np.float32) * np.float32(scale)).reshape(H, G * L, D)
         mass = np.zeros((H, N), np.float32)
-        for h in range(H):
-            q = (queries[h * G:(h + 1) * G].astype(np.float32) * np.float32(scale)).reshape(G * L, D)
-            # the scores through BLAS; each row's causal softmax, summed into the mass, on 16-lane
-            # vectors (numpy's max, exp and sums over these rows had been half of an eviction's votes)
-            attention_mass_rows(np.ascontiguousarray(q @ keys[h].T, np.float32), N, L, mass[h])
+
+        def head(h: int, worker: int) -> None:
+            rows(h, keys[worker].reshape(-1))
+            np.matmul(q[h], keys[worker].T, out=scores[worker])
+            # each row's causal softmax, summed into the mass, on 16-lane vectors (numpy's max,
+            # exp and sums over these rows had been half of an eviction's votes)
+            attention_mass_rows(scores[worker], N, L, mass[h])
+
+        with numpy_blas().single_threaded():
+            work.map(head, H)
         self._count("votes", True)
         return mass
 
