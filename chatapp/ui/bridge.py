@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from chatapp.engine.events import LoadProgress, PrefillProgress, StartupFailed, TokenEvent
 
-from .messages import MESSAGES
+from .messages import MESSAGES, TokenMessage
 
 
 class EngineBridge:
@@ -40,6 +40,7 @@ class EngineBridge:
         self.started_at = 0.0
         self._stopping = False
         self._lock = threading.Lock()
+        self._tokens: TokenMessage | None = None  # the last token message posted (later tokens may join it)
 
     # -- engine thread ---------------------------------------------------------------------------
     def make_session(self, emit: Callable[[Any], None], cancel):
@@ -60,7 +61,16 @@ class EngineBridge:
         if stats is not None and isinstance(event, (TokenEvent, PrefillProgress)):
             event = copy.copy(event)
             event.stats = copy.copy(stats)
-        self._post(MESSAGES[type(event)](event))  # a KeyError: an event kind nobody handles
+        if isinstance(event, TokenEvent):
+            # A token joins the message of the tokens before it while that one waits in the
+            # app's queue (one message per frame's burst, not per token); the text is the same.
+            if self._tokens is not None and self._tokens.merge(event):
+                return
+            message = self._tokens = TokenMessage(event)
+        else:
+            self._tokens = None  # nothing joins a message posted before this event
+            message = MESSAGES[type(event)](event)  # a KeyError: an event kind nobody handles
+        self._post(message)
 
     # -- UI thread -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -7,10 +7,17 @@ nobody handles) and posted to the app (``post_message`` is thread-safe). The app
 ``@on(EngineMessage)`` dispatcher hands each to its kind's handler (``ui/engine_link.HANDLERS``).
 Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which the
 engine client (``app.engine``) records in ``event_log``.
+
+Streamed tokens are batched: a token that arrives while the message of the tokens before it still
+waits in the app's queue joins that message (:meth:`TokenMessage.merge`) instead of posting its
+own, so a burst of tokens within one frame is one message; the UI takes the batch
+(:meth:`TokenMessage.take`) with the text in order and the newest statistics, which is what the
+separate messages would have left on screen.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 from textual.message import Message
@@ -68,8 +75,32 @@ class PrefillMessage(EngineMessage):
 
 
 class TokenMessage(EngineMessage):
+    """Streamed text: one token, and the tokens after it that arrived before the UI took it."""
+
     kind = "TokenEvent"
     event: TokenEvent
+
+    def __init__(self, event: TokenEvent) -> None:
+        super().__init__(event)
+        self.tokens = 1  # the engine's TokenEvents this message stands for
+        self._taken = False
+        self._lock = threading.Lock()  # merge (engine thread) against take (UI thread)
+
+    def merge(self, event: TokenEvent) -> bool:
+        """Engine thread: add ``event``, the next token of the same reply, unless the UI has taken
+        this message already (False: ``event`` needs a message of its own)."""
+        with self._lock:
+            if self._taken:
+                return False
+            self.event = TokenEvent(self.event.text + event.text, event.token, event.stats)
+            self.tokens += 1
+            return True
+
+    def take(self) -> tuple[TokenEvent, int]:
+        """UI thread: the batch as it stands (nothing joins it afterwards) and how many tokens it holds."""
+        with self._lock:
+            self._taken = True
+            return self.event, self.tokens
 
 
 class TurnDoneMessage(EngineMessage):
