@@ -233,8 +233,7 @@ def test_move_keys_runs_in_chunks_across_heads(monkeypatch):
     keep = np.sort(rng.choice(n, size=110, replace=False))
     keep[:10] = np.arange(10)
     keep.sort()
-    deltas = keep - np.arange(len(keep))
-    deltas = -deltas
+    deltas = np.arange(len(keep)) - keep  # each kept row moves back by the rows dropped before it
     first = int(np.flatnonzero(keep != np.arange(len(keep)))[0])
     cos, sin = NativeRowOps(np.linspace(1, 1e-3, D // 2).astype(np.float32), False)._shift_table(deltas)
     want = [a.copy() for a in (p, sc, bi)]
