@@ -287,10 +287,12 @@ class FusedDecoder:
         KVH, D = self.n_kv_heads, self.head_dim
         self.adopt(caches)
         unpinned = []
+        z = mx.zeros((1, KVH, 1, D))  # the rows' shape; reserve takes the buffers' dtype
         for c in caches:
             full = c.full
-            if full.keys is None or full.length + n_new > full.capacity:
-                z = mx.zeros((1, KVH, 1, D))  # the rows' shape; reserve takes the buffers' dtype
+            if full.keys is None:  # first buffers: nothing old to free, made with the others below
+                full.reserve(n_new, z, z)
+            elif full.length + n_new > full.capacity:
                 full.reserve(n_new, z, z)
                 # one layer at a time: growing all at once would hold every layer's old buffers,
                 # zeros and new buffers together (MLX's peak +96 MiB on 8 layers of a 7B model at
