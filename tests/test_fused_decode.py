@@ -217,6 +217,17 @@ def test_numerics_auto_is_fast_only_where_the_cpu_has_vector_int8_products(monke
         assert resolve_numerics("exact") == "exact" and resolve_numerics("fast") == "fast"
 
 
+def test_the_plan_says_where_the_prefills_8_bit_rows_stay_on_floats(monkeypatch):
+    """--verbose's numerics line names the one product fast numerics leaves on floats on AVX2."""
+    import chatapp.kernels.int8panel as int8panel
+    from chatapp.backend.fused_settings import numerics_line
+
+    monkeypatch.setattr(int8panel, "PANEL8", False)
+    assert "8-bit rows on floats" in numerics_line("fast")
+    monkeypatch.setattr(int8panel, "PANEL8", True)
+    assert "8-bit rows" not in numerics_line("fast") and "8-bit rows" not in numerics_line("exact")
+
+
 @pytest.mark.parametrize("chunks", [1, 2, 5])
 def test_any_chunking_of_the_projections_gives_the_same_bits(chunks, monkeypatch):
     """How the token step cuts each projection between the threads (rows_per_chunk) moves no

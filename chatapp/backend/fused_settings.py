@@ -66,7 +66,7 @@ def numerics_line(numerics: str) -> str:
         return "numerics exact (float32 activations)"
     from chatapp.kernels.int8dot import ACT_BLOCK, ISA, ISA_NAMES
     from chatapp.kernels.int8head import HEAD_ACT_BLOCK
-    from chatapp.kernels.int8panel import PREFILL_ACT_BLOCK
+    from chatapp.kernels.int8panel import PANEL8, PREFILL_ACT_BLOCK
     from chatapp.kernels.qk_int import INT_SCORES
 
     scores = (f"a quantised middle's scores on 16-bit queries in decode, the prefill's scores "
@@ -74,4 +74,6 @@ def numerics_line(numerics: str) -> str:
               else "the attention's scores on floats (no vpdpbusd)")
     return (f"numerics fast (int8 activations per {ACT_BLOCK} elements, {PREFILL_ACT_BLOCK} in prefill, "
             f"{ISA_NAMES[ISA]}; down_proj {DOWN_CHOICES[FAST_DOWN_DEFAULT]}; the last layer exact; "
-            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK}; {scores})")
+            f"the head {HEAD_CHOICES[FAST_HEAD_DEFAULT]} per {HEAD_ACT_BLOCK}; {scores}"
+            + ("" if PANEL8 else "; the prefill's 8-bit rows on floats: vpmaddubsw saturates on bytes past 127")
+            + ")")
