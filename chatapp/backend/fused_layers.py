@@ -49,13 +49,10 @@ def _qk_norm(attn, eps: float) -> np.ndarray:
 def packed_weights(m) -> tuple:
     """The packed host views the kernels read of a quantised module; a 3-, 5- or 6-bit weight
     (WIDENED_BITS) widened to one byte a value, scales and biases as they are (exact)."""
-    from chatapp.kernels.qmatmul import PackedWeight
-
-    from .qlinear import packed_view, scales_for_kernels
+    from .qlinear import packed_view
 
     if m.bits in WIDENED_BITS:
-        return PackedWeight(widened(m), np.asarray(scales_for_kernels(m["scales"])),
-                            np.asarray(scales_for_kernels(m["biases"])), 8, m.group_size)
+        return packed_view(widened(m), m["scales"], m["biases"], 8, m.group_size)
     route = getattr(m, "routing", None)
     pw = route.packed if route is not None and route.packed is not None else \
         packed_view(m["weight"], m["scales"], m["biases"], m.bits, m.group_size)

@@ -158,11 +158,13 @@ def scales_for_kernels(a: mx.array) -> mx.array:
     return a
 
 
-def packed_view(weight: mx.array, scales: mx.array, biases: mx.array, bits: int, group_size: int):
-    """numpy views (no copies) of a quantised weight for the kernels (scales: scales_for_kernels)."""
+def packed_view(weight: mx.array | np.ndarray, scales: mx.array, biases: mx.array, bits: int, group_size: int):
+    """numpy views (no copies) of a quantised weight for the kernels (scales: scales_for_kernels);
+    the weight may already be host bytes (fused_layers.widened)."""
     from chatapp.kernels.qmatmul import PackedWeight
 
-    mx.eval(weight)
+    if isinstance(weight, mx.array):
+        mx.eval(weight)
     return PackedWeight(np.asarray(weight).view(np.uint8), np.asarray(scales_for_kernels(scales)),
                         np.asarray(scales_for_kernels(biases)), bits, group_size)
 

@@ -185,16 +185,17 @@ _t8_1, _t8_2 = make_panel_tile(_TILE_ISA, 8), make_panel_tile(_TILE_ISA, 8, plan
 
 @njit(nogil=True, cache=True, inline="always")
 def _vector_tile(pan, xq, t0, group_size, unit, out):  # pragma: no cover - jitted
-    a = (pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3])
-    if pan[0].shape[1] == 2 * PANEL_ROWS:
-        if xq[0].shape[2] == 8:
-            _t8_2(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
+    panel, pscale, pbias = pan
+    xe, xo, ts, tsum = xq
+    if panel.shape[1] == 2 * PANEL_ROWS:
+        if xe.shape[2] == 8:
+            _t8_2(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group_size, out)
         else:
-            _t8_1(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
-    elif xq[0].shape[2] == 8:
-        _t4_2(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
+            _t8_1(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group_size, out)
+    elif xe.shape[2] == 8:
+        _t4_2(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group_size, out)
     else:
-        _t4_1(a[0], a[1], a[2], a[3], a[4], a[5], a[6], t0, unit, group_size, out)
+        _t4_1(panel, pscale, pbias, xe, xo, ts, tsum, t0, unit, group_size, out)
 
 
 # out[j * 16 + i] = panel row i times token t0 + j (j < PANEL_TOKENS), biases included; pan =

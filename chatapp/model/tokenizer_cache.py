@@ -12,6 +12,7 @@ only costs the next start the build.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -26,9 +27,10 @@ from .gguf_file import GGUFHeader
 _BUILDERS = ("gguf_tokenizer.py", "spm_rules.py", "tokenizer_cache.py")
 
 
+@functools.cache
 def _builder_digest() -> bytes:
     """The source of the modules that build a vocabulary, and the tokenizers version: a change
-    to either builds afresh."""
+    to either builds afresh (read once a process)."""
     import tokenizers
 
     h = hashlib.sha256(tokenizers.__version__.encode())
