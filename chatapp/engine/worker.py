@@ -10,6 +10,9 @@ The worker owns the cancel flag of the sessions it serves (``cancel_token``; ``m
 builds the session on it, and a model switch's new session too): ``cancel()``, safe from any
 thread, sets it, and each request starts by clearing it, so a cancel meant for the request before
 (Esc reaching a reply as it ended, an F3 switch queued behind it) stops nothing after it.
+The worker owns the session it serves too (``session``, read-only): ``make_session`` gives it the
+first, and a part that replaces it (the store's model switch) hands the new one to
+:meth:`EngineWorker.adopt`, which takes only a session built on the worker's cancel flag.
 
 One dispatcher (``_dispatch``) serves every request kind on this thread: a layer above may take a
 kind with :meth:`EngineWorker.handle` (the store's saved turns and conversations,
@@ -40,16 +43,29 @@ class EngineWorker:
         self._emit = on_event
         self.cancel_token = threading.Event()  # stops the running request; cleared as each begins
         self._queue: queue.Queue[Request] = queue.Queue()
-        self.session: Session | None = None
+        self._session: Session | None = None  # the session served (``session``; ``adopt`` replaces it)
         self._handlers: dict[type, Callable[[Any], None]] = {}  # request kinds a layer above takes
         self._stop_hooks: list[Callable[[], None]] = []
         self._thread = threading.Thread(target=self._run, name="chatapp-engine", daemon=True)
 
     def handle(self, kind: type, handler: Callable[[Any], None]) -> None:
         """Before ``start``: requests of ``kind`` go to ``handler`` (on this thread) instead of the
-        engine's own handling; it may emit events and set ``session`` (a model switch: a session
-        built on ``cancel_token``)."""
+        engine's own handling; it may emit events and hand the worker a new session (a model
+        switch: :meth:`adopt`)."""
         self._handlers[kind] = handler
+
+    @property
+    def session(self) -> Session | None:
+        """The session this worker serves (None until loaded); replaced only through :meth:`adopt`."""
+        return self._session
+
+    def adopt(self, session: Session) -> None:
+        """Engine thread (a handler's request): ``session`` replaces the one served, as a model
+        switch's new session does. It must be built on ``cancel_token``, the flag ``cancel`` sets
+        and each request clears; a session on another flag could not be stopped (ValueError)."""
+        if getattr(session, "cancel_token", None) is not self.cancel_token:
+            raise ValueError("the engine worker serves only sessions built on its cancel flag (cancel_token)")
+        self._session = session
 
     def on_stop(self, hook: Callable[[], None]) -> None:
         """Before ``start``: ``hook`` runs on this thread as it ends (a failed load included)."""
@@ -82,7 +98,7 @@ class EngineWorker:
 
     def _serve(self) -> None:
         try:
-            self.session = self._make_session(self._emit, self.cancel_token)
+            self._session = self._make_session(self._emit, self.cancel_token)
         except Exception as e:  # noqa: BLE001 - reported to the user as one line
             self._emit(Failed(str(e).splitlines()[0] if str(e) else type(e).__name__, traceback.format_exc()))
             return

@@ -163,13 +163,15 @@ class ChatRequests:
 
     def _switch_model(self, request: SwitchModel) -> None:
         """Load the model and move the conversation onto it; the old model stays on failure, and
-        once nothing references it (the old chat lets go of its session) its memory is freed."""
+        once nothing references it (the old chat lets go of its session) its memory is freed. The
+        new session, built on the worker's cancel flag, goes to the worker (``EngineWorker.adopt``:
+        the worker owns the session it serves; this part owns the chat and the config)."""
         chat = self.chat
         result, new_chat, config = switch_model(
             self.config, chat, request.spec,
             on_slow_warm_up=lambda line: self._emit(LoadProgress("kernels", line)), cancel=self.worker.cancel_token)
         if result.ok:
-            self.worker.session = new_chat.session
+            self.worker.adopt(new_chat.session)
             self.chat, self.config = new_chat, config
             result.info, result.config = self._describe(), config
         del chat, new_chat
