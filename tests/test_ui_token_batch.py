@@ -1,6 +1,8 @@
-"""Streamed tokens batched at the bridge: a token that arrives while the message of the tokens
-before it still waits in the app's queue joins it, so a burst within one frame is one message;
-the UI gets the same text, in order, and the newest statistics, and every token is recorded."""
+"""Streamed tokens and prefill progress batched at the bridge: a token that arrives while the
+message of the tokens before it still waits in the app's queue joins it, so a burst within one
+frame is one message; the UI gets the same text, in order, and the newest statistics, and every
+token is recorded. A prefill's progress batches by the same rule (one ``BatchMessage``), the
+newest report replacing the one waiting."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 pytest.importorskip("textual")
 
 from chatapp.config import Config  # noqa: E402
-from chatapp.engine.events import Idle, TokenEvent, TurnDone  # noqa: E402
+from chatapp.engine.events import Idle, PrefillProgress, TokenEvent, TurnDone  # noqa: E402
 from chatapp.engine.stats import TurnStats  # noqa: E402
 from chatapp.ui.bridge import EngineBridge  # noqa: E402
 from chatapp.ui.engine_link import EngineClient, deliver  # noqa: E402
@@ -95,3 +97,60 @@ def test_no_token_is_lost_while_the_engine_and_the_ui_race():
     thread.join()
     assert "".join(event.text for event, _ in taken) == "".join(f"{n}," for n in range(2000))
     assert sum(count for _, count in taken) == 2000 and len(taken) <= 2000
+
+
+def _progress(done: int, total: int = 4096) -> PrefillProgress:
+    return PrefillProgress(done, total, TurnStats(prompt_tokens=done))
+
+
+def test_prefill_progress_waiting_in_the_queue_is_replaced_by_the_newest():
+    """A long prefill reports each chunk: while the last report waits in the app's queue, a newer
+    one takes its place (only the newest matters); once the UI took it, the next is its own."""
+    posted = []
+    bridge = EngineBridge(None, posted.append)
+    live = TurnStats(prompt_tokens=512)
+    bridge.on_event(PrefillProgress(512, 4096, live))
+    live.prompt_tokens = 99  # the engine goes on mutating its live stats: the message keeps a copy
+    for done in (1024, 1536, 2048):
+        bridge.on_event(_progress(done))
+    assert len(posted) == 1 and posted[0].kind == "PrefillProgress"
+    event, count = posted[0].take()
+    assert (event.done, event.total, event.stats.prompt_tokens, count) == (2048, 4096, 2048, 4)
+
+    bridge.on_event(_progress(2560))
+    assert len(posted) == 2 and posted[0].take() == (event, 4)
+    assert posted[1].take()[0].done == 2560
+
+
+def test_any_other_event_closes_a_prefill_batch():
+    """The first token after a prefill is its own message (and the tokens after it join that one),
+    a later prefill does not join the tokens, and nothing joins across a reply's end."""
+    posted = []
+    bridge = EngineBridge(None, posted.append)
+    bridge.on_event(_progress(512))
+    bridge.on_event(_progress(1024))
+    bridge.on_event(_token("a", 1))
+    bridge.on_event(_token("b", 2))
+    bridge.on_event(_progress(2048))
+    bridge.on_event(TurnDone("ab", TurnStats()))
+    bridge.on_event(_progress(64, 128))
+    bridge.on_event(_progress(128, 128))
+    kinds = [m.kind for m in posted]
+    assert kinds == ["PrefillProgress", "TokenEvent", "PrefillProgress", "TurnDone", "PrefillProgress"]
+    assert posted[0].take()[0].done == 1024 and posted[1].take()[0].text == "ab"
+    assert posted[2].take() == (_progress(2048), 1)
+    assert posted[4].take()[0].done == 128
+
+
+def test_a_prefill_batch_reaches_the_client_as_its_reports_would():
+    """The client handles a batch once, with the newest progress on its status line; the event log
+    has one entry per report."""
+    posted = []
+    host = SimpleNamespace(post_message=posted.append, is_mounted=False)
+    client = EngineClient(host, Config(), Transcript(lambda: None))
+    for done in (100, 200, 300):
+        client.bridge.on_event(_progress(done, 400))
+    asyncio.run(deliver(SimpleNamespace(engine=client), posted[0]))
+    assert len(posted) == 1 and client.phase == "prefill 75%" and client.live_stats.prompt_tokens == 300
+    assert list(client.event_log) == ["PrefillProgress"] * 3
+    assert client.status_rate.runs == 1

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from chatapp.engine.events import LoadProgress, PrefillProgress, StartupFailed, TokenEvent
 
-from .messages import MESSAGES, TokenMessage
+from .messages import MESSAGES, BatchMessage
 
 
 class EngineBridge:
@@ -40,7 +40,7 @@ class EngineBridge:
         self.started_at = 0.0
         self._stopping = False
         self._lock = threading.Lock()
-        self._tokens: TokenMessage | None = None  # the last token message posted (later tokens may join it)
+        self._batch: BatchMessage | None = None  # the last message posted, when later events may join it
 
     # -- engine thread ---------------------------------------------------------------------------
     def make_session(self, emit: Callable[[Any], None], cancel):
@@ -61,15 +61,13 @@ class EngineBridge:
         if stats is not None and isinstance(event, (TokenEvent, PrefillProgress)):
             event = copy.copy(event)
             event.stats = copy.copy(stats)
-        if isinstance(event, TokenEvent):
-            # A token joins the message of the tokens before it while that one waits in the
-            # app's queue (one message per frame's burst, not per token); the text is the same.
-            if self._tokens is not None and self._tokens.merge(event):
-                return
-            message = self._tokens = TokenMessage(event)
-        else:
-            self._tokens = None  # nothing joins a message posted before this event
-            message = MESSAGES[type(event)](event)  # a KeyError: an event kind nobody handles
+        # A token (a prefill's progress) joins the message of the ones before it while that one
+        # waits in the app's queue: one message per frame's burst, not per event (ui/messages.py's
+        # BatchMessage); any other event closes the batch, so nothing joins across it.
+        if self._batch is not None and self._batch.merge(event):
+            return
+        message = MESSAGES[type(event)](event)  # a KeyError: an event kind nobody handles
+        self._batch = message if isinstance(message, BatchMessage) else None
         self._post(message)
 
     # -- UI thread -------------------------------------------------------------------------------

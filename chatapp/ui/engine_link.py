@@ -53,7 +53,7 @@ from .bridge import EngineBridge
 from .coalesce import Coalescer
 from .comforts import Comforts
 from .format import freeze, freeze_cache, freeze_memory, live_cache, status_items
-from .messages import EngineMessage, TokenMessage
+from .messages import BatchMessage, EngineMessage
 from .screens import CompareScreen, LoadingScreen, SessionsScreen
 from .transcript import Transcript
 from .widgets import (
@@ -92,10 +92,11 @@ async def deliver(app: HasEngine, message: EngineMessage) -> None:
     """The app's one ``@on(EngineMessage)`` handler (``ChatApp._on_engine`` is this function):
     every engine event's kind is recorded in the client's ``event_log`` and the kind's handler,
     looked up by the event's type, runs on the client (``app.engine``; one handler per kind). A
-    token message is a batch of tokens (ui/messages.py): taken from the engine thread here, each
-    of its tokens recorded, the handler run once with their text."""
+    batched message (tokens, prefill progress: ui/messages.py's ``BatchMessage``) is taken from the
+    engine thread here, each of its events recorded, the handler run once with the batch's event
+    (the tokens' text together, the newest progress)."""
     client = app.engine
-    event, count = message.take() if isinstance(message, TokenMessage) else (message.event, 1)
+    event, count = message.take() if isinstance(message, BatchMessage) else (message.event, 1)
     client.event_log.extend([message.kind] * count)
     result = HANDLERS[type(event)](client, event)
     if inspect.isawaitable(result):

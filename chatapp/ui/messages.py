@@ -8,11 +8,13 @@ nobody handles) and posted to the app (``post_message`` is thread-safe). The app
 Each message has a stable ``kind`` (the event's name: "TokenEvent", "TurnDone", ...), which the
 engine client (``app.engine``) records in ``event_log``.
 
-Streamed tokens are batched: a token that arrives while the message of the tokens before it still
-waits in the app's queue joins that message (:meth:`TokenMessage.merge`) instead of posting its
-own, so a burst of tokens within one frame is one message; the UI takes the batch
-(:meth:`TokenMessage.take`) with the text in order and the newest statistics, which is what the
-separate messages would have left on screen.
+Streamed tokens and prefill progress are batched, by one rule (:class:`BatchMessage`): an event
+that arrives while the message of the events of its kind before it still waits in the app's queue
+joins that message (:meth:`BatchMessage.merge`) instead of posting its own, and any other event
+closes the batch. The kind says how an event joins: a token's text is appended to the batch's
+(:class:`TokenMessage`: the text in order, the newest token and statistics), a newer prefill
+progress replaces the one waiting (:class:`PrefillMessage`: only the newest matters). The UI takes
+the batch (:meth:`BatchMessage.take`) and sees what the separate messages would have left on screen.
 """
 
 from __future__ import annotations
@@ -69,38 +71,57 @@ class InfoMessage(EngineMessage):
     event: SessionInfo
 
 
-class PrefillMessage(EngineMessage):
+class BatchMessage(EngineMessage):
+    """An event that later events of its kind join while it waits in the app's queue: merged on the
+    engine thread (``merge``) until the UI takes it (``take``); ``join`` says how (its kind's rule)."""
+
+    def __init__(self, event: Any) -> None:
+        super().__init__(event)
+        self.events = 1  # the engine events this message stands for
+        self._taken = False
+        self._lock = threading.Lock()  # merge (engine thread) against take (UI thread)
+
+    def join(self, event: Any) -> Any:
+        """The batch's event once ``event``, the next of its kind, has joined it."""
+        raise NotImplementedError
+
+    def merge(self, event: Any) -> bool:
+        """Engine thread: add ``event`` unless it is of another kind or the UI has taken this
+        message already (False: ``event`` needs a message of its own)."""
+        if type(event) is not type(self.event):
+            return False
+        with self._lock:
+            if self._taken:
+                return False
+            self.event = self.join(event)
+            self.events += 1
+            return True
+
+    def take(self) -> tuple[Any, int]:
+        """UI thread: the batch as it stands (nothing joins it afterwards) and how many events it holds."""
+        with self._lock:
+            self._taken = True
+            return self.event, self.events
+
+
+class PrefillMessage(BatchMessage):
+    """Prefill progress: the newest of the reports that arrived before the UI took it."""
+
     kind = "PrefillProgress"
     event: PrefillProgress
 
+    def join(self, event: PrefillProgress) -> PrefillProgress:
+        return event  # only the newest progress matters
 
-class TokenMessage(EngineMessage):
+
+class TokenMessage(BatchMessage):
     """Streamed text: one token, and the tokens after it that arrived before the UI took it."""
 
     kind = "TokenEvent"
     event: TokenEvent
 
-    def __init__(self, event: TokenEvent) -> None:
-        super().__init__(event)
-        self.tokens = 1  # the engine's TokenEvents this message stands for
-        self._taken = False
-        self._lock = threading.Lock()  # merge (engine thread) against take (UI thread)
-
-    def merge(self, event: TokenEvent) -> bool:
-        """Engine thread: add ``event``, the next token of the same reply, unless the UI has taken
-        this message already (False: ``event`` needs a message of its own)."""
-        with self._lock:
-            if self._taken:
-                return False
-            self.event = TokenEvent(self.event.text + event.text, event.token, event.stats)
-            self.tokens += 1
-            return True
-
-    def take(self) -> tuple[TokenEvent, int]:
-        """UI thread: the batch as it stands (nothing joins it afterwards) and how many tokens it holds."""
-        with self._lock:
-            self._taken = True
-            return self.event, self.tokens
+    def join(self, event: TokenEvent) -> TokenEvent:
+        return TokenEvent(self.event.text + event.text, event.token, event.stats)
 
 
 class TurnDoneMessage(EngineMessage):
