@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .factory import make_caches
-from .layers import is_ours, primary
+from .layers import is_policy, primary
 from .settings import CacheSettings
 
 
@@ -30,7 +30,7 @@ class Conversion:
 def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
     start = time.perf_counter()
     source = primary(caches)
-    if not is_ours(source):  # mlx-lm's own caches only (a pure recurrent model): no policy to change
+    if not is_policy(source):  # mlx-lm's own caches only (a pure recurrent model): no policy to change
         return Conversion(caches, "unchanged", f"this model has no full-attention layers for {settings.mode} to hold",
                           0.0)
     if source.mode == settings.mode and getattr(source, "settings", settings) == settings:
@@ -50,8 +50,9 @@ def convert_caches(caches: list, model, settings: CacheSettings) -> Conversion:
         return Conversion(target, "reprefill", f"the caches have {len(caches)} layers, this model {len(target)}",
                           time.perf_counter() - start)
     for i, (old, new) in enumerate(zip(caches, target)):
-        if not is_ours(new):
-            target[i] = old  # mlx-lm's own layers (sliding window, recurrent state) go on as they are
+        if not is_policy(new):
+            # mlx-lm's own layers (recurrent state) and sliding windows go on as they are
+            target[i] = old
             continue
         k, v = old.content()
         if k is not None and k.shape[2]:

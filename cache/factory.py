@@ -8,10 +8,11 @@ from typing import Any
 from .attention import install_attention
 from .kv import CACHE_CLASSES, CacheStateError
 from .layers import kinds as layout_kinds
-from .layers import model_layout, takes_policy, uniform
+from .layers import model_layout, slides, takes_policy, uniform
 from .rope import Repositioner, check_pure_rotation
 from .scored import ScoredKVCache  # noqa: F401  (registers the scored mode)
 from .settings import QUANT_GROUP_SIZES, CacheConfigError, CacheSettings
+from .sliding import OWN_OFFSETS, SlidingKVCache
 
 
 @dataclass
@@ -26,6 +27,9 @@ class ModelGeometry:
     layout: str = ""  # the model's own non-KVCache slots in words (cache/layers.py kinds), "" for none
     n_caches: int = 0  # slots in the model's own layout (0: n_layers)
     n_policy: int = -1  # of those, the plain KVCache slots a policy cache takes over (-1: unknown)
+    # the other slots are all plain sliding windows (SlidingKVCache), in a model whose layers each
+    # keep their own positions (sliding.OWN_OFFSETS): the evicting policies may run beside them
+    windows_apart: bool = False
 
 
 _ATTENTION_NAMES = ("self_attn", "attention", "attn", "mixer", "temporal_block")
@@ -82,8 +86,9 @@ def model_geometry(model) -> ModelGeometry:
                 head_dim = weight.shape[0] // n_kv
             value_dim = _int(getattr(attn, "v_head_dim", None))
         rope = next((getattr(attn, n) for n in _ROPE_NAMES if callable(getattr(attn, n, None))), None)
+    apart = getattr(args, "model_type", None) in OWN_OFFSETS and all(takes_policy(s) or slides(s) for s in slots)
     return ModelGeometry(len(layers), n_kv, head_dim, max_pos, rope, value_dim or head_dim, latent,
-                         layout_kinds(slots), len(slots), sum(takes_policy(s) for s in slots))
+                         layout_kinds(slots), len(slots), sum(takes_policy(s) for s in slots), apart)
 
 
 def _group_hint(dims: list[int]) -> str:
@@ -99,7 +104,7 @@ def _group_hint(dims: list[int]) -> str:
 
 def check_settings(settings: CacheSettings, geom: ModelGeometry) -> None:
     """Refuse settings this model cannot run, with the reason and what would work."""
-    if settings.evicts and geom.layout:
+    if settings.evicts and geom.layout and not geom.windows_apart:
         raise CacheConfigError(
             f"mode: {settings.mode} evicts tokens and re-positions the keys of every layer, but this model's "
             f"layers also keep their own caches ({geom.layout}) whose positions and state it cannot move; "
@@ -145,17 +150,25 @@ def check_settings(settings: CacheSettings, geom: ModelGeometry) -> None:
                                    "use prealloc, quantized or concat") from None
 
 
+def _own_slot(slot: Any, settings: CacheSettings) -> Any:
+    """A slot no policy takes: a plain sliding window becomes chatapp's SlidingKVCache (the same
+    window, in one contiguous buffer the fused CPU steps read), every other stays mlx-lm's own."""
+    return SlidingKVCache(settings, slot.max_size) if slides(slot) else slot
+
+
 def make_caches(model, settings: CacheSettings, geometry: ModelGeometry | None = None) -> list:
     """One cache per slot of the model's own layout (``make_cache()`` when it has one): the plain
-    full-attention ``KVCache`` slots become ``settings.mode``'s cache, every other slot (sliding
-    window, recurrent state, ...) stays mlx-lm's own. Installs the attention dispatch. Raises
+    full-attention ``KVCache`` slots become ``settings.mode``'s cache, a plain sliding window
+    chatapp's ``SlidingKVCache`` (whatever the mode), every other slot (recurrent state, ...)
+    stays mlx-lm's own. Installs the attention dispatch. Raises
     :class:`CacheConfigError` (one line) for a mode this model cannot run."""
     geom = geometry or model_geometry(model)
     check_settings(settings, geom)
     install_attention(model)
     cls = CACHE_CLASSES[settings.mode]
     repos = Repositioner(geom.rope) if geom.rope is not None else None
-    caches = [cls(settings, repositioner=repos) if takes_policy(s) else s for s in model_layout(model)]
+    caches = [cls(settings, repositioner=repos) if takes_policy(s) else _own_slot(s, settings)
+              for s in model_layout(model)]
     if geom.layout or len(caches) != geom.n_layers:
         # Layers here may read another layer's K/V (shared caches, loops, hybrids): every fetch
         # must hand out the whole held history, never only the full-precision part that attend()

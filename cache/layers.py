@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .kv import _CacheBase
 
 # What each of mlx-lm's kinds holds, for the one-line reasons shown to the user.
 _KIND_WORDS = {
     "RotatingKVCache": "sliding-window",
+    "SlidingKVCache": "sliding-window",
     "ArraysCache": "recurrent-state",
     "MambaCache": "recurrent-state",
     "CacheList": "multi-part",
@@ -47,6 +48,17 @@ def is_ours(c: Any) -> bool:
     return isinstance(c, _CacheBase)
 
 
+def slides(slot: Any) -> bool:
+    """A slot of the model's own layout that is a plain sliding window (``RotatingKVCache`` keeping
+    no leading tokens): chatapp's ``SlidingKVCache`` (sliding.py) stands in for it."""
+    return type(slot) is RotatingKVCache and slot.keep == 0
+
+
+def is_policy(c: Any) -> bool:
+    """A chatapp cache that holds the session's policy (not a sliding-window layer's own cache)."""
+    return is_ours(c) and getattr(c, "sliding", False) is not True
+
+
 def foreign(caches: Sequence[Any]) -> list:
     """The slots that stay mlx-lm's own."""
     return [c for c in caches if not is_ours(c)]
@@ -54,19 +66,20 @@ def foreign(caches: Sequence[Any]) -> list:
 
 def uniform(caches: Sequence[Any]) -> bool:
     """Every slot is a chatapp policy cache (the layout of a plain decoder-only transformer)."""
-    return bool(caches) and all(is_ours(c) for c in caches)
+    return bool(caches) and all(is_policy(c) for c in caches)
 
 
 def primary(caches: Sequence[Any]) -> Any:
     """The first chatapp policy cache (the one whose policy the session reports), else the first slot."""
-    return next((c for c in caches if is_ours(c)), caches[0] if caches else None)
+    first = next((c for c in caches if is_ours(c)), caches[0] if caches else None)
+    return next((c for c in caches if is_policy(c)), first)
 
 
 def kinds(caches: Sequence[Any]) -> str:
     """The foreign slots in words: ``4 sliding-window (RotatingKVCache), 2 recurrent-state (ArraysCache)``."""
     counts: dict[str, int] = {}
-    for c in foreign(caches):
-        if takes_policy(c):
+    for c in caches:
+        if takes_policy(c) or is_policy(c):
             continue
         name = type(c).__name__
         counts[name] = counts.get(name, 0) + 1
@@ -99,10 +112,11 @@ def trim_reason(caches: Sequence[Any]) -> str:
     why = {
         "ArraysCache": "recurrent state summarises every token and cannot be rewound",
         "RotatingKVCache": "the sliding window has already overwritten the tokens before it",
+        "SlidingKVCache": "the sliding window has already dropped the tokens before it",
     }
     parts = [f"{n} {name} layers ({why.get(name, 'not trimmable')})" for name, n in names.items()]
     return "; ".join(parts)
 
 
-__all__ = ["foreign", "is_ours", "kinds", "model_layout", "position", "primary", "takes_policy", "trim_reason",
-           "uniform", "untrimmable"]
+__all__ = ["foreign", "is_ours", "is_policy", "kinds", "model_layout", "position", "primary", "slides",
+           "takes_policy", "trim_reason", "uniform", "untrimmable"]

@@ -58,7 +58,8 @@ def total_usage(caches: Iterable) -> CacheUsage:
     describe the sequence, so they are per layer: those of the chatapp policy caches (equal in
     every such layer), or for a model without any, the longest of its own caches."""
     caches = list(caches)
-    ours = [c for c in caches if hasattr(c, "usage")]
+    # the policy caches (a sliding window's own cache has usage() too, but not the sequence's count)
+    ours = [c for c in caches if hasattr(c, "usage") and getattr(c, "sliding", False) is not True]
     total = CacheUsage()
     for c in caches:
         total = total + layer_usage(c)

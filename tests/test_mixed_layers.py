@@ -1,6 +1,7 @@
 """The chat on models whose layers are not all full attention (tiny random ones): a hybrid with
 recurrent state (qwen3_next: gated-delta layers in ArraysCache) and a sliding-window model
-(gemma3_text: RotatingKVCache layers). Replies equal a fresh session's on the same conversation;
+(gemma3_text: its RotatingKVCache layers become chatapp's SlidingKVCache, the same window held
+contiguously for the fused CPU steps). Replies equal a fresh session's on the same conversation;
 turns reuse the caches, or say why they re-prefill; regenerate and edit-last work; the cache
 figures count every layer."""
 
@@ -10,7 +11,8 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from cache import CacheConfigError, CacheSettings, make_caches, total_usage
-from cache.layers import is_ours
+from cache.layers import is_policy
+from cache.sliding import SlidingKVCache
 from chatapp.engine.events import TurnDone
 from chatapp.engine.generate import GenerationSettings
 from chatapp.engine.session import Session
@@ -43,13 +45,13 @@ def fresh(model, conversation, mode):
 
 @pytest.mark.parametrize("name,changes,kind", [
     ("qwen3_next", {}, ArraysCache),
-    ("gemma3_text", {"sliding_window": 8}, RotatingKVCache),
+    ("gemma3_text", {"sliding_window": 8}, SlidingKVCache),
 ])
 @pytest.mark.parametrize("mode", ["prealloc", "quantized"])
 def test_chat_on_mixed_layers_matches_fresh_runs(name, changes, kind, mode):
     model = model_of(name, **changes)
     s = Session(model, byte_tokenizer(), mode=mode, cache_settings=SETTINGS, generation=GREEDY)
-    assert any(isinstance(c, kind) for c in s.caches) and any(is_ours(c) for c in s.caches)
+    assert any(isinstance(c, kind) for c in s.caches) and any(is_policy(c) for c in s.caches)
     for q in ("hello there, model", "a second, longer line of text"):
         before = len(s.cached)
         done = run(s.send(q))
@@ -99,9 +101,9 @@ def test_policy_caches_replace_only_the_full_attention_slots():
     assert len(ours) == len(own)
     for a, b in zip(own, ours):
         if type(a) is KVCache:
-            assert is_ours(b)
-        else:
-            assert type(b) is type(a) and b.max_size == a.max_size
+            assert is_policy(b)
+        else:  # a sliding window: the same window, chatapp's contiguous cache
+            assert type(a) is RotatingKVCache and type(b) is SlidingKVCache and b.window_size == a.max_size
     assert total_usage(ours).tokens == 0
 
 

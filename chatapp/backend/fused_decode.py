@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .fused_layers import FusedLayer, packed_weights, read_layer, read_norm
+from .fused_positions import LayerAngles, positions, windows
 from .fused_settings import (
     DOWN_CHOICES,
     FAST_DOWN_DEFAULT,
@@ -48,8 +49,9 @@ from .fused_support import (
     PROJECTIONS,
     WIDENED_BITS,
     attention_head_dim,
+    embed_scale,
     inner_model,
-    rope_frequencies,
+    mlp_activation,
 )
 from .kv_native import NativeRowOps
 
@@ -96,9 +98,9 @@ class FusedDecoder:
         self.n_heads, self.n_kv_heads, self.head_dim = attn.n_heads, attn.n_kv_heads, attention_head_dim(attn)
         self.scale = np.float32(attn.scale)
         self.traditional = bool(attn.rope.traditional)
-        self.inv_freq = rope_frequencies(attn.rope, self.head_dim)  # (fused_unsupported checked it)
-        # the caches' flushes and evictions, in place on the host views this decoder keeps
-        self.row_ops = NativeRowOps(self.inv_freq, self.traditional)
+        # the embeddings' multiplier (Gemma 3: sqrt(hidden)), the MLP's activation
+        self.embed_scale = embed_scale(model)
+        self.gelu = mlp_activation(inner.layers[0]["mlp"]) == "gelu"
         self.final_norm, self.final_eps = read_norm(inner["norm"]), np.float32(inner["norm"].eps)
         embed = inner["embed_tokens"]
         self.embed = embed
@@ -123,6 +125,7 @@ class FusedDecoder:
         # room for the splits of the full-precision rows and as many of a quantised middle's
         self._part = np.empty(2 * part_size(self.n_heads, self.n_kv_heads, self.head_dim), np.float32)
         self._act = np.empty(hidden, np.float32)
+        self._ob = np.empty(dim, np.float32)  # the sandwich norms' inputs (Gemma 3)
         if any(layer.eps != self.layers[0].eps for layer in self.layers):
             raise ValueError("fused decode: layers with different norm eps")
         self._stack(self.layers)
@@ -147,6 +150,15 @@ class FusedDecoder:
         if len({layer.qk_norm.shape[0] for layer in layers}) != 1:
             raise ValueError("fused decode: some layers normalise their queries and keys and some not")
         self._qk_norm = np.stack([layer.qk_norm for layer in layers])
+        if len({layer.post_norm.shape[0] for layer in layers}) != 1:
+            raise ValueError("fused decode: some layers have sandwich norms and some not")
+        self._post_norm = np.stack([layer.post_norm for layer in layers])
+        # each layer's RoPE (Gemma 3: local and global bases), and the caches' flushes and
+        # evictions, in place on the host views this decoder keeps, with the RoPE of their layer
+        self.angles = LayerAngles(np.stack([layer.inv_freq for layer in layers]))
+        ops = [NativeRowOps(f, self.traditional) for f in self.angles.freqs]
+        self._row_ops = [ops[k] for k in self.angles.kind]
+        self.row_ops = self._row_ops[0]  # layer 0's (every layer's but in Gemma 3's two RoPEs)
         n, kd = len(layers), self._k.shape[0]
         self._k_all = np.empty((n, kd), np.float32)
         self._v_all = np.empty((n, kd), np.float32)
@@ -250,7 +262,8 @@ class FusedDecoder:
     def embedding(self, token: int) -> np.ndarray:
         """The token's embedding row as float32 (what the embedding layer returns)."""
         if self.embed_packed is None:
-            return np.asarray(self.embed["weight"][token].astype(mx.float32)).copy()
+            row = np.asarray(self.embed["weight"][token].astype(mx.float32)).copy()
+            return row * self.embed_scale if self.embed_scale is not None else row
         pw = self.embed_packed
 
         def f32(a):
@@ -264,22 +277,24 @@ class FusedDecoder:
             q = row.astype(np.float32)
         g = pw.group_size
         s, b = f32(pw.scales[token]), f32(pw.biases[token])
-        return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
+        row = (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
+        return row * self.embed_scale if self.embed_scale is not None else row
 
     def adopt(self, caches: list) -> None:
         """Give the caches that hold no buffers yet this decoder's K/V dtype, so that what
         writes them first (this step, or the model's own call) makes them in it; caches that
         hold rows keep theirs (a restored float32 state is read as float32)."""
         dtype = KV_MX[self.kv_dtype]
-        for c in caches:
+        for c, ops in zip(caches, self._row_ops):
             if c.full.keys is None:
                 c.full.dtype = dtype
-            c.native = self.row_ops
+            c.native = ops
 
-    def _cache_buffers(self, caches: list, n_new: int) -> int:
+    def _cache_buffers(self, caches: list, n_new: int) -> np.ndarray:
         """Room for ``n_new`` more rows in every layer's buffers, and their addresses, sizes and
-        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the rows held (the
-        buffers' dtype, float32 or float16, is ``caches[0].full.keys.dtype``).
+        head strides in ``_kv_addr``/``_kv_size``/``_kv_stride``; returns the rows each layer's
+        buffers hold [L] (a sliding window's fewer than a full layer's; the buffers' dtype,
+        float32 or float16, is ``caches[0].full.keys.dtype``).
 
         Each buffer's host view and address are kept on the buffer (``FullBuffer.pinned``) while
         its arrays stay the same, which is every decode step once rows are written in place; MLX
@@ -309,12 +324,10 @@ class FusedDecoder:
                 if np.shares_memory(kf, vf):  # the kernel would write K over V: never let it
                     raise RuntimeError("fused decode: a cache's keys and values share one buffer")
                 full.pinned = (kf, vf, kf.ctypes.data, vf.ctypes.data, kf.size, full.capacity * D)
-        n_cached = caches[0].full.length
+        n_cached = np.array([c.full.length for c in caches], np.int64)
         dtype = caches[0].full.keys.dtype
         for i, c in enumerate(caches):
             full = c.full
-            if full.length != n_cached:
-                raise ValueError("fused decode: the layers' caches hold different token counts")
             if full.keys.dtype != dtype:
                 raise ValueError("fused decode: the layers' caches hold K/V of different dtypes")
             _, _, self._kv_addr[i, 0], self._kv_addr[i, 1], self._kv_size[i], self._kv_stride[i] = full.pinned
@@ -346,7 +359,7 @@ class FusedDecoder:
 
     def step(self, token: int, caches: list) -> np.ndarray:
         """Logits [vocab] (float32) for ``token`` after the caches' tokens; appends its K/V."""
-        from chatapp.kernels.decode_step import CHUNKS_PER_THREAD, CTL_SIZE, rope_angles, token_step
+        from chatapp.kernels.decode_step import CHUNKS_PER_THREAD, CTL_SIZE, token_step
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
@@ -357,9 +370,11 @@ class FusedDecoder:
         write = self._write_kv
         for i, c in enumerate(caches):
             write[i] = self.write_in_place and c.full.writable_in_place(1)
-        position = n_cached + n_quant  # the token's (compacted) position: right after every token held
-        cos, sin = rope_angles(position, self.inv_freq)
-        if n_quant:
+        # the token's position in each layer: right after every token held (compacted where a
+        # policy evicts), or every token seen (a sliding window)
+        position = positions(caches)
+        cos, sin = self.angles.step(position)
+        if n_quant.any():
             self._middle_angles(caches, position)
         x = self.embedding(token)
         pool().broadcast(token_step, np.zeros(CTL_SIZE * len(self.layers), np.int64), x, self._attn_norms,
@@ -369,7 +384,8 @@ class FusedDecoder:
                          self.fast_mask, write, _kv_like(caches),
                          self.chunks or CHUNKS_PER_THREAD * pool().threads, self._q_addr, self._q_size,
                          self._q_stride, n_quant, q_bits, q_group, self._cos_q, self._sin_q, scales_like,
-                         self._q_out, self._qkv_bias, self._qk_norm)
+                         self._q_out, self._qkv_bias, self._qk_norm, windows(caches), self._post_norm, self.gelu,
+                         self._ob)
         k_new = v_new = queries = None
         for i, c in enumerate(caches):
             if write[i]:
@@ -385,27 +401,30 @@ class FusedDecoder:
                 c.keep_queries(queries[i], float(self.scale))
         return self._head(x)
 
-    def _quant_buffers(self, caches: list) -> tuple[int, int, int, np.ndarray]:
+    def _quant_buffers(self, caches: list) -> tuple[np.ndarray, int, int, np.ndarray]:
         """The caches' quantised middles for token_step: their buffers' addresses, sizes and head
         strides in ``_q_addr``/``_q_size``/``_q_stride``; returns (rows held, bits, group size, an
         empty array of the scales' kernel type). The host views are kept on each buffer
         (``QuantBuffer.pinned``) until its arrays change (a flush or an eviction: every
-        evict_chunk tokens). No middle: zeros, and the scales' type the K/V dtype gives them."""
+        evict_chunk tokens). No middle: zeros, and the scales' type the K/V dtype gives them. The
+        rows held are per layer [L] (a sliding window's layer holds no middle)."""
         from chatapp.kernels.half import KV_NUMPY
 
-        lengths = {c.quant.length if c.quant is not None else 0 for c in caches}
-        if len(lengths) != 1:
-            raise ValueError("fused decode: the layers' caches hold different quantised token counts")
-        n_quant = lengths.pop()
+        n_quant = np.array([c.quant.length if c.quant is not None else 0 for c in caches], np.int64)
         kv_like = _kv_like(caches)
-        if not n_quant:
+        if not n_quant.any():
             self._q_addr[:] = 0
             self._q_size[:] = 0
             native = kv_like.dtype == np.uint16 and _half_scales_native()
-            return 0, 8, 32, np.empty(0, KV_NUMPY["float16"] if native else np.float32)
+            return n_quant, 8, 32, np.empty(0, KV_NUMPY["float16"] if native else np.float32)
         kinds = set()
+        first = None
         for i, c in enumerate(caches):
             q = c.quant
+            if q is None or not q.length:
+                self._q_addr[i] = self._q_size[i] = 0
+                continue
+            first = q if first is None else first
             if q.pinned is None:
                 q.pinned = _pin_quant(q)
             views, addrs, sizes, strides = q.pinned
@@ -414,18 +433,11 @@ class FusedDecoder:
         if len(kinds) != 1:
             raise ValueError("fused decode: the layers' quantised middles differ in bits, groups or scale dtype")
         bits, group, _ = kinds.pop()
-        return n_quant, bits, group, np.empty(0, caches[0].quant.pinned[0][1].dtype)
+        return n_quant, bits, group, np.empty(0, first.pinned[0][1].dtype)
 
-    def _middle_angles(self, caches: list, position: int) -> None:
+    def _middle_angles(self, caches: list, position: np.ndarray) -> None:
         """cos/sin of each layer's middle: its keys sit the cache's ``delta_q`` further on."""
-        from chatapp.kernels.decode_step import rope_angles
-
-        memo: dict[int, tuple] = {}
-        for i, c in enumerate(caches):
-            d = c.delta_q
-            if d not in memo:
-                memo[d] = rope_angles(position + d, self.inv_freq)
-            self._cos_q[i], self._sin_q[i] = memo[d]
+        self.angles.step(position + np.array([c.delta_q for c in caches], np.int64), (self._cos_q, self._sin_q))
 
     def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
         """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
@@ -433,13 +445,15 @@ class FusedDecoder:
         numerics fast the products of prefill_mask on int8 activations, down_proj's on 16-bit
         ones, kernels/int8panel.py)."""
         from chatapp.kernels.pool import pool
-        from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_rows, rope_table
+        from chatapp.kernels.prefill_step import LAYER_CTL, prefill_step, rope_rows
 
         T = int(tokens.shape[0])
         KVH, D, L = self.n_kv_heads, self.head_dim, len(self.layers)
         for c in caches:
             c.settle()  # quantise or evict what is due before the buffers are read
         emb = self.embed(tokens)
+        if self.embed_scale is not None:  # (in the embedding's dtype, as the model's code multiplies)
+            emb = emb * mx.array(self.embed_scale, mx.bfloat16).astype(emb.dtype)
         emb = emb.astype(mx.float32) if emb.dtype != mx.float32 else emb
         mx.eval(emb)
         x = np.array(emb, np.float32)  # the kernel updates it in place
@@ -449,14 +463,15 @@ class FusedDecoder:
         # rows go after the sinks and window in the full-precision buffers, as a decode step's do
         n_full = self._cache_buffers(caches, T)
         n_quant, q_bits, q_group, scales_like = self._quant_buffers(caches)
-        n_cached = n_full + n_quant
+        n_cached = n_full + n_quant  # per layer
+        starts = positions(caches)
         cos_u, sin_u = self._unrotation_angles(caches)
         # the kernel's scratch below is numpy's (a few [T, hidden] float32 arrays per thread and
         # shared), which MLX's buffer cache cannot serve: what that cache holds idle now (the
         # embedding's temporaries, a previous turn's caches: 22-30 MiB on 8 layers of a 7B model)
         # would only add to the peak
         mx.clear_cache()
-        cos, sin = rope_table(n_cached, T, self.inv_freq)
+        cos, sin = self.angles.table(starts, T)  # [L, T, D/2]
         hd, kd = self.n_heads * D, KVH * D
         host = _kv_like(caches).dtype
         # the kernel writes the chunk's K/V rows into the cache buffers themselves where no view
@@ -484,17 +499,18 @@ class FusedDecoder:
                          np.empty((T, kd), np.float32), k_out, v_out,
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, q_keep, self._q_addr, self._q_size, self._q_stride, n_quant, q_bits,
-                         q_group, cos_u, sin_u, scales_like, self._qkv_bias, self._qk_norm, self.prefill_block)
+                         q_group, cos_u, sin_u, scales_like, self._qkv_bias, self._qk_norm, windows(caches),
+                         self._post_norm, self.gelu, np.empty((T, self.dim), np.float32), self.prefill_block)
         del k_out, v_out
         if n_keep:
             kept = q_keep.reshape(L, n_keep, self.n_heads, D)
             if self._qk_norm.shape[1]:  # kept before the q norm (Qwen3), which comes before RoPE
                 w = self._qk_norm[:, None, None, :D]
                 kept = kept / np.sqrt(np.mean(kept * kept, axis=-1, keepdims=True) + self._eps) * w
-            roped = rope_rows(kept, cos[T - n_keep:], sin[T - n_keep:], self.traditional)
             for i, c in enumerate(caches):
                 if c.chunk_queries_kept:
-                    c.keep_chunk_queries(roped[i], float(self.scale), T)
+                    roped = rope_rows(kept[i], cos[i, T - n_keep:], sin[i, T - n_keep:], self.traditional)
+                    c.keep_chunk_queries(roped, float(self.scale), T)
         if in_place:
             for c in caches:
                 c.wrote_in_place(T)
@@ -515,7 +531,7 @@ class FusedDecoder:
         cos, sin = np.ones((n, half), np.float32), np.zeros((n, half), np.float32)
         for i, c in enumerate(caches):
             if c.quant is not None and c.quant.length and c.delta_q:
-                cos[i], sin[i] = rope_angles(-c.delta_q, self.inv_freq)
+                cos[i], sin[i] = rope_angles(-c.delta_q, self.angles.first_of_kind(i))
         return cos, sin
 
 

@@ -1,6 +1,7 @@
 """What the fused steps read of each decoder layer (backend/fused_decode.py): the seven
-projections as packed host views, the two norms, and the extras some architectures add (Qwen2's
-q/k/v biases, Qwen3's per-head q/k norms), as the kernels take them."""
+projections as packed host views, the norms, each layer's RoPE frequencies, and the extras some
+architectures add (Qwen2's q/k/v biases, Qwen3's and Gemma 3's per-head q/k norms, Gemma 3's
+sandwich norms and the +1 its norms add to their weights), as the kernels take them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .fused_support import BIASED, PROJECTIONS, QK_NORMS, WIDENED_BITS
+from .fused_support import (
+    BIASED,
+    PROJECTIONS,
+    QK_NORMS,
+    SANDWICH,
+    WIDENED_BITS,
+    attention_head_dim,
+    norm_weights,
+    rope_frequencies,
+)
 
 
 @dataclass
@@ -26,6 +36,11 @@ class FusedLayer:
     qkv_bias: np.ndarray
     # the per-head RMSNorm weights of the queries then the keys (Qwen3), float32 [2 * D]; [0]: none
     qk_norm: np.ndarray
+    # the sandwich norms' weights (Gemma 3): the attention output's then the MLP output's, float32
+    # [2 * dim]; [0]: none (mlp_norm is then the pre-feed-forward norm)
+    post_norm: np.ndarray
+    # RoPE frequencies of this layer's attention [D / 2] (Gemma 3: local and global bases differ)
+    inv_freq: np.ndarray
 
 
 def _qkv_bias(attn) -> np.ndarray:
@@ -73,10 +88,12 @@ def widened(m) -> np.ndarray:
     return unpack_bits(np.asarray(w).view(np.uint8), m.bits)
 
 
-def read_norm(m: nn.RMSNorm) -> np.ndarray:
-    w = m["weight"].astype(mx.float32)
-    mx.eval(w)
-    return np.asarray(w)
+def read_norm(m: nn.Module) -> np.ndarray:
+    """The norm's weights as the kernels apply them (fused_support.norm_weights: Gemma's +1 in)."""
+    w = norm_weights(m)
+    if isinstance(w, str):
+        raise ValueError(f"fused decode: {w}")
+    return w
 
 
 def read_layer(layer) -> FusedLayer:
@@ -87,8 +104,17 @@ def read_layer(layer) -> FusedLayer:
     eps = layer["input_layernorm"].eps
     if layer["post_attention_layernorm"].eps != eps:
         raise ValueError("fused decode: the two norms of a layer use different eps")
+    attn = layer["self_attn"]
+    if layer.get(SANDWICH[0]) is not None:  # Gemma: norms before and after the attention and the MLP
+        mlp_norm = read_norm(layer[SANDWICH[0]])
+        post = np.concatenate([read_norm(layer["post_attention_layernorm"]), read_norm(layer[SANDWICH[1]])])
+    else:
+        mlp_norm, post = read_norm(layer["post_attention_layernorm"]), np.empty(0, np.float32)
+    inv_freq = rope_frequencies(attn.rope, attention_head_dim(attn))
+    if isinstance(inv_freq, str):
+        raise ValueError(f"fused decode: {inv_freq}")
     return FusedLayer(
         tuple(drop_symmetric_biases(pw.packed, pw.scales, pw.biases, pw.bits) for pw in pws),
         np.array([pw.bits for pw in pws], np.int64),
-        read_norm(layer["input_layernorm"]), read_norm(layer["post_attention_layernorm"]),
-        np.float32(eps), _qkv_bias(layer["self_attn"]), _qk_norm(layer["self_attn"], eps))
+        read_norm(layer["input_layernorm"]), mlp_norm,
+        np.float32(eps), _qkv_bias(attn), _qk_norm(attn, eps), post.astype(np.float32), inv_freq)

@@ -10,20 +10,98 @@ import numpy as np
 
 from .fused_settings import KV_HOST
 
-# model types whose code around the layers' modules computes Llama's block (RMSNorm, RoPE, GQA
-# attention, SwiGLU MLP, no scaling multipliers: mlx-lm's granite and minicpm hold the same
-# modules but scale the embedding, the residuals and the logits in their code, which no module
-# shows); qwen2 adds biases to the q, k and v projections, which the kernels add
-FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# model types whose code around the layers' modules is known (mlx-lm's granite and minicpm hold
+# Llama's modules but scale the embedding, the residuals and the logits in their code, which no
+# module shows): Llama's block, and gemma3_text's (its embedding times sqrt(hidden) rounded to
+# bfloat16, EMBED_SCALE). What the layers compute inside their modules (biases, q/k norms, the
+# norms' +1 offset, sandwich norms, the MLP's activation, each layer's RoPE) is read from the
+# modules themselves, by what they compute (norm_weights, mlp_activation)
+FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                 ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 BIASED = ("q_proj", "k_proj", "v_proj")  # the projections whose biases the kernels add
 QK_NORMS = ("q_norm", "k_norm")  # per-head RMSNorms of the queries and keys before RoPE (Qwen3)
+# Gemma's sandwich norms: the MLP's input norm and its output's (both or neither); with them
+# post_attention_layernorm norms the attention's output before it is added
+SANDWICH = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
 # a decoder layer's modules, its attention's and its MLP's, exactly (the q/k norms both or
-# neither): any other (Gemma's extra norms) computes something the kernels do not
-LAYER_MODULES = {"": {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp"},
+# neither, the sandwich norms both or neither): any other computes something the kernels do not
+LAYER_MODULES = {"": {"input_layernorm", "post_attention_layernorm", "self_attn", "mlp", *SANDWICH},
                  "self_attn": {"q_proj", "k_proj", "v_proj", "o_proj", "rope", *QK_NORMS},
                  "mlp": {"gate_proj", "up_proj", "down_proj"}}
+
+
+def embed_scale(model: nn.Module) -> np.float32 | None:
+    """What the model's code multiplies the token embeddings by (None: nothing): Gemma 3's
+    sqrt(hidden), which mlx-lm rounds to bfloat16 before the product."""
+    args = getattr(model, "args", None)
+    if getattr(args, "model_type", None) != "gemma3_text":
+        return None
+    return np.float32(mx.array(args.hidden_size ** 0.5, mx.bfloat16).astype(mx.float32).item())
+
+
+def norm_weights(m) -> np.ndarray | str:
+    """The per-element weights w of an RMS norm as the kernels apply it (x / rms(x) * w, float32),
+    read from what the module computes on a probe: nn.RMSNorm's weight, or Gemma's 1 + weight
+    (computed as MLX computes it, in the weight's dtype); else why not."""
+    w, eps = getattr(m, "weight", None), getattr(m, "eps", None)
+    if not isinstance(w, mx.array) or w.ndim != 1 or eps is None:
+        return f"{type(m).__name__} is not an RMS norm"
+    n = w.shape[0]
+    x = np.sin(np.arange(1, n + 1, dtype=np.float32) * np.float32(0.37)).astype(np.float32)[None]
+    try:
+        y = np.array(m(mx.array(x)).astype(mx.float32))
+    except Exception as e:  # noqa: BLE001 - a module that does not take a row: not a norm
+        return f"{type(m).__name__} is not an RMS norm ({type(e).__name__})"
+    r = x / np.sqrt(np.mean(x * x) + np.float32(eps))
+    best, best_err = None, np.inf
+    for cand in (w, 1.0 + w):
+        c = np.array(cand.astype(mx.float32))
+        want = r * c
+        if y.shape != want.shape:
+            continue
+        # each element's relative error (half-precision weights round ~4e-3): a norm whose
+        # weights are large (Gemma 3's final norm: tens) differs from the other candidate by
+        # only 1/w, so the nearer one wins, and it must be near
+        err = float(np.max(np.abs(y - want) / (np.abs(want) + 1e-3 * float(np.abs(want).max()) + 1e-12)))
+        if err < best_err:
+            best, best_err = c, err
+    if best is None or best_err > 1e-2:
+        return f"{type(m).__name__} computes something other than an RMS norm"
+    return best.astype(np.float32)
+
+
+class _Fixed(nn.Module):
+    def __init__(self, out: mx.array):
+        super().__init__()
+        self.out = out
+
+    def __call__(self, x):
+        return self.out
+
+
+class _Identity(nn.Module):
+    def __call__(self, x):
+        return x
+
+
+def mlp_activation(mlp) -> str:
+    """"silu" or "gelu" (its tanh approximation, MLX's nn.gelu_approx): what the MLP computes
+    of gate and up, found by running its own code with gate giving a ramp, up ones and down
+    passing its input on; else why neither."""
+    import copy
+
+    g = mx.array(np.linspace(-6, 6, 64, dtype=np.float32))[None]
+    probe = copy.copy(mlp)  # a shallow copy: its children swapped, the model's left as they are
+    probe.gate_proj, probe.up_proj, probe.down_proj = _Fixed(g), _Fixed(mx.ones_like(g)), _Identity()
+    try:
+        y = np.array(probe(mx.zeros((1, 64))).astype(mx.float32))
+    except Exception as e:  # noqa: BLE001
+        return f"an MLP whose code the probe cannot run ({type(e).__name__})"
+    for name, fn in (("silu", nn.silu), ("gelu", nn.gelu_approx)):
+        if np.allclose(y, np.array(fn(g)), rtol=1e-4, atol=1e-5):
+            return name
+    return "an MLP activation other than SiLU or GELU's tanh approximation"
 
 
 def inner_model(model: nn.Module):
@@ -87,8 +165,8 @@ def _qk_norms(attn, layer_norm) -> str | None:
     norms = [attn.get(name) for name in QK_NORMS]
     if all(n is None for n in norms):
         return None
-    if any(type(n) is not nn.RMSNorm for n in norms):
-        return "q/k norms that are not both RMSNorm"
+    if any(n is None or isinstance(norm_weights(n), str) for n in norms):
+        return "q/k norms that are not both RMS norms"
     if any(n.weight.shape[0] != attention_head_dim(attn) for n in norms):
         return "q/k norms wider than a head"
     if any(float(n.eps) != float(getattr(layer_norm, "eps", -1)) for n in norms):
@@ -103,7 +181,7 @@ def fused_unsupported(model: nn.Module) -> str | None:
     layers = getattr(inner, "layers", None)
     if not layers:
         return "no decoder layers found"
-    groups = set()
+    groups, activations = set(), set()
     for layer in layers:
         if getattr(layer, "use_sliding", False):
             return "sliding-window layers"
@@ -116,9 +194,20 @@ def fused_unsupported(model: nn.Module) -> str | None:
         freqs = rope_frequencies(getattr(attn, "rope", None), attention_head_dim(attn))
         if isinstance(freqs, str):
             return freqs
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            if type(layer.get(norm)) is not nn.RMSNorm:
-                return f"{norm} is not RMSNorm"
+        sandwich = [layer.get(n) is not None for n in SANDWICH]
+        if any(sandwich) and not all(sandwich):
+            return "only one of the sandwich norms (pre/post_feedforward_layernorm)"
+        for norm in ("input_layernorm", "post_attention_layernorm", *(SANDWICH if all(sandwich) else ())):
+            why = norm_weights(layer.get(norm))
+            if isinstance(why, str):
+                return f"{norm}: {why}"
+            eps = getattr(layer.get(norm), "eps", None)
+            if eps != getattr(layer.get("input_layernorm"), "eps", None):
+                return f"{norm} with an eps of its own"
+        act = mlp_activation(layer.get("mlp"))
+        if act not in ("silu", "gelu"):
+            return act
+        activations.add(act)
         why = _qk_norms(attn, layer.get("input_layernorm"))
         if why:
             return why
@@ -132,11 +221,13 @@ def fused_unsupported(model: nn.Module) -> str | None:
             groups.add(proj.group_size)
     if len(groups) != 1:
         return "projections with different group sizes"
+    if len(activations) != 1:
+        return "layers with different MLP activations"
     mtype = getattr(args, "model_type", None)
     if mtype not in FUSED_MODEL_TYPES:  # Llama's modules, but maybe not its code around them
         return f"model type {mtype!r} (fused decode: {', '.join(FUSED_MODEL_TYPES)})"
-    if type(inner.get("norm")) is not nn.RMSNorm:
-        return "final norm is not RMSNorm"
+    if isinstance(norm_weights(inner.get("norm")), str):
+        return "final norm is not an RMS norm"
     embed = inner.get("embed_tokens")
     if not isinstance(embed, (nn.QuantizedEmbedding, nn.Embedding)):
         return "no token embedding"

@@ -49,7 +49,8 @@ from .quant_split import attend_quant_split
 from .rows4 import ROWS, q4_rows4_dot, q8_rows4_dot
 from .simd import q4_row_dot, q8_row_dot
 
-PHASES = 5
+# q/k/v, attention, o_proj, gate/up, down; then a sandwich-normed layer's (Gemma 3) two adds
+PHASES = 7
 # the bits of token_step's ``fast``: which products of a layer run on int8 activations
 FAST_QKV, FAST_O, FAST_GATE_UP, FAST_DOWN = 1, 2, 4, 8
 # ...and the attention's scores on integers where the CPU has vpdpbusd: in decode against a
@@ -245,9 +246,33 @@ def apply_rope(v, cos, sin, traditional):  # pragma: no cover - jitted
             v[i + half] = a * sin[i] + b * cos[i]
 
 
+GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+
+
 @njit(fastmath=True, nogil=True, cache=True)
-def silu_mul(g, u):  # pragma: no cover - jitted
+def act_mul(g, u, gelu):  # pragma: no cover - jitted
+    """The MLP's gate activation times up: SiLU (Llama), or GELU's tanh approximation as MLX's
+    ``nn.gelu_approx`` computes it (Gemma)."""
+    if gelu:
+        return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(GELU_C * (g + np.float32(0.044715) * g * g * g))) * u
     return g / (np.float32(1.0) + np.exp(-g)) * u
+
+
+@njit(fastmath=True, nogil=True, cache=True)
+def add_normed(ctl, phase, x, ob, w, off, eps):  # pragma: no cover - jitted
+    """x += rms_norm(ob) * w[off:off + dim] by the thread that claims the phase's one unit, then
+    the phase's barrier: a sandwich-normed layer's residual adds (Gemma 3's post-attention and
+    post-feed-forward norms need the whole projection's row before any of it is added)."""
+    if phase_claim(ctl, phase, 1) == 0:
+        dim = x.shape[0]
+        ss = np.float32(0.0)
+        for j in range(dim):
+            ss += ob[j] * ob[j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + eps)
+        for j in range(dim):
+            x[j] += ob[j] * inv * w[off + j]
+        phase_done(ctl, phase)
+    phase_barrier(ctl, phase, 1)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -255,7 +280,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
                cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                scale, q, k_new, v_new, k_out, part, act, fast, write_kv, chunks,
                quant, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, q_out, qkv_bias,
-               qk_norm):  # pragma: no cover - jitted
+               qk_norm, window, post_norm, gelu, ob):  # pragma: no cover - jitted
     """One layer for one token; ``x`` [dim] (float32) is updated in place.
 
     w* = (packed uint8 [N, K*bits/8], scales [N, K/gs], biases [N, K/gs]); bits [7] the bits of
@@ -280,7 +305,12 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     receives the roped queries (the scored caches' votes, the sparsity figure). qkv_bias
     [nq + nk + nv] float32: the q, k and v projections' biases (Qwen2), or [0]: none. qk_norm
     [2 * D] float32: the per-head RMSNorm weights of the queries then the keys, applied before
-    RoPE with ``eps`` (Qwen3), or [0]: none."""
+    RoPE with ``eps`` (Qwen3), or [0]: none. ``window`` > 0: a sliding-window layer (Gemma 3's
+    local ones): the token attends to the last ``window - 1`` rows and itself (the cache holds up
+    to its chunk more, cache/sliding.py). post_norm [2 * dim] (or [0]): the sandwich norms'
+    weights (Gemma 3: o_proj's output and down_proj's are each normed before they are added;
+    ``mlp_norm`` is then the pre-feed-forward norm), with ``ob`` [dim] shared scratch for those
+    outputs. ``gelu``: the MLP's activation is GELU's tanh approximation, not SiLU."""
     dim = x.shape[0]
     D = cos.shape[0] * 2
     nq, nk = wq[0].shape[0], wk[0].shape[0]
@@ -335,11 +365,12 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     # of its G heads in the shared ``part``, merged by every thread after the barrier
     # (a KV head's units: its S splits of the full-precision rows, then its Sq of the quantised middle)
     n_keys = n_cached + 1
-    S = n_splits(n_kv_heads, n_keys)
+    lo = n_keys - window if 0 < window < n_keys else 0  # the window's first row (0: every row)
+    S = n_splits(n_kv_heads, n_keys - lo)
     Sq = n_splits(n_kv_heads, n_quant) if n_quant > 0 else 0
     ST = S + Sq
     n_units = n_kv_heads * ST
-    per = (n_keys + S - 1) // S
+    per = (n_keys - lo + S - 1) // S
     per_q = (n_quant + Sq - 1) // Sq if Sq else 0
     G4 = (G + A_ROWS - 1) // A_ROWS * A_ROWS
     # rows of s 64-byte aligned: P V reads them as it goes, and a row that starts mid-line cost
@@ -394,7 +425,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
             if sp == 0:
                 for e in range(D):
                     q_out[h * D + e] = qg[g * D + e]
-        a = sp * per
+        a = lo + sp * per
         b = min(n_keys, a + per)
         attend_split(qg, G, D, k_cache, kh * k_stride, v_cache, kh * v_stride, a, min(b, n_cached),
                      kr, v_new[kh * D:(kh + 1) * D], b == n_keys, scale, s, L, o, part, u * G * (D + SLOT))
@@ -412,7 +443,8 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
     attn = np.empty(n_heads * D, np.float32)
     merge_splits(part, n_heads, n_kv_heads, ST, D, attn)
 
-    # 3. x += o_proj(attn)
+    # 3. x += o_proj(attn) (sandwich norms: ob = o_proj(attn), then x += norm(ob))
+    post = post_norm.shape[0] > 0
     ka = n_heads * D
     _prepare(attn, no_norm, eps, group_size, xn[:ka], xe[:ka // 2], xo[:ka // 2], xsum[:ka // group_size], f_o, xq, blk,
              narrow, xq8, bits[3] == 8)
@@ -423,9 +455,14 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch3, min(dim, (c + 1) * ch3)
-        _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq, narrow, xq8)
+        if post:
+            _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, ob[a:b], False, f_o, xq, narrow, xq8)
+        else:
+            _project(wo, bits[3], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_o, xq, narrow, xq8)
         phase_done(ctl, 2)
     phase_barrier(ctl, 2, n3)
+    if post:
+        add_normed(ctl, 5, x, ob, post_norm, 0, eps)
 
     # 4. act = silu(gate(m)) * up(m)
     _prepare(x, mlp_norm, eps, group_size, xn[:dim], xe[:dim // 2], xo[:dim // 2], xsum[:dim // group_size],
@@ -440,7 +477,7 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         _project(wg, bits[4], group_size, a, b, xn, xe, xo, xsum, gbuf[:b - a], False, f_gu, xq, narrow, xq8)
         _project(wu, bits[5], group_size, a, b, xn, xe, xo, xsum, ubuf[:b - a], False, f_gu, xq, narrow, xq8)
         for r in range(a, b):
-            act[r] = silu_mul(gbuf[r - a], ubuf[r - a])
+            act[r] = act_mul(gbuf[r - a], ubuf[r - a], gelu)
         phase_done(ctl, 3)
     phase_barrier(ctl, 3, n4)
 
@@ -454,9 +491,14 @@ def layer_step(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bit
         if c < 0:
             break
         a, b = c * ch5, min(dim, (c + 1) * ch5)
-        _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq, down_wide, xq8)
+        if post:
+            _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, ob[a:b], False, f_down, xq, down_wide, xq8)
+        else:
+            _project(wd, bits[6], group_size, a, b, xn, xe, xo, xsum, x[a:b], True, f_down, xq, down_wide, xq8)
         phase_done(ctl, 4)
     phase_barrier(ctl, 4, n5)
+    if post:
+        add_normed(ctl, 6, x, ob, post_norm, dim, eps)
 
 
 CTL_SIZE = 2 * LINE * PHASES
@@ -467,7 +509,7 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                scale, q, k_new, v_out, k_out, part, act, fast, write_kv, kv_like,
                chunks, q_addr, q_size, q_stride, n_quant, q_bits, q_group, cos_q, sin_q, scales_like,
-               q_out, qkv_bias, qk_norm):  # pragma: no cover - jitted
+               q_out, qkv_bias, qk_norm, window, post_norm, gelu, ob):  # pragma: no cover - jitted
     """Every layer for one token in one call (``layer_step`` per layer, ``ctl`` holding
     CTL_SIZE counters per layer): helpers start once per token, not once per layer.
 
@@ -484,7 +526,11 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
     element counts and head strides (packed bytes as uint8, scales and biases with
     ``scales_like``'s element type), cos_q/sin_q [L, D/2] its queries' angles; q_out [L, heads * D]
     receives each layer's roped queries (see layer_step); qkv_bias [L, nq + nk + nv] (or [L, 0])
-    each layer's q, k and v biases; qk_norm [L, 2 * D] (or [L, 0]) its q and k norms' weights."""
+    each layer's q, k and v biases; qk_norm [L, 2 * D] (or [L, 0]) its q and k norms' weights.
+    Per layer [L]: n_cached (the rows its cache buffers hold), n_quant, window (0: full
+    attention; see layer_step), cos/sin [L, D/2] (its position and RoPE base: a sliding layer
+    counts every token, a full layer's policy may compact them); post_norm [L, 2 * dim] (or
+    [L, 0]) its sandwich norms, ``gelu`` and ``ob`` [dim] as layer_step takes them."""
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
         k_cache = kv_buffer(kv_addr[layer, 0], kv_size[layer], kv_like)
@@ -495,11 +541,12 @@ def token_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, b
                  kv_buffer(qa[4], qs[4], scales_like), kv_buffer(qa[5], qs[5], scales_like))
         layer_step(ctl[layer * CTL_SIZE:(layer + 1) * CTL_SIZE], x, attn_norms[layer], mlp_norms[layer], eps,
                    wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
-                   group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
+                   group_size, cos[layer], sin[layer], traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
                    v_cache, kv_stride[layer],
-                   n_cached, scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
-                   write_kv[layer], chunks, quant, q_stride[layer], n_quant, q_bits, q_group, cos_q[layer],
-                   sin_q[layer], q_out[layer], qkv_bias[layer], qk_norm[layer])
+                   n_cached[layer], scale, q, k_new, v_out[layer], k_out[layer], part, act, fast[layer],
+                   write_kv[layer], chunks, quant, q_stride[layer], n_quant[layer], q_bits, q_group, cos_q[layer],
+                   sin_q[layer], q_out[layer], qkv_bias[layer], qk_norm[layer], window[layer], post_norm[layer],
+                   gelu, ob)
 
 
 def rope_angles(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

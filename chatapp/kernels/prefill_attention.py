@@ -91,9 +91,17 @@ def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_
 
 
 @njit(fastmath=True, nogil=True, cache=True)
-def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D):  # pragma: no cover - jitted
-    """Mask scores of chunk keys after their query, fold the block into the running max and
-    sum of each lane (rescaling O^T when the max moves) and leave P^T = exp(S^T - max) in st."""
+def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D, window):  # pragma: no cover
+    """Mask scores of chunk keys after their query (and with ``window`` > 0, of keys more than
+    ``window - 1`` positions before it), fold the block into the running max and sum of each
+    lane (rescaling O^T when the max moves) and leave P^T = exp(S^T - max) in st. A lane whose
+    keys so far were all masked holds a max of _NEG; its first unmasked key's correction,
+    fast_exp(_NEG - max), is ~0 and clears what the masked ones added."""
+    if window > 0 and n0 + window <= n_cached + lane_t[M - 1]:  # some key here lies before some window
+        for i in range(nb):
+            for m in range(M):
+                if n0 + i + window <= n_cached + lane_t[m]:
+                    st[i * M + m] = _NEG
     if n0 + nb > n_cached + t0 + 1:  # some chunk key here lies after some query: mask those
         for i in range(nb):
             j = n0 + i - n_cached
@@ -120,7 +128,7 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, q_from=0, int_scores=False):  # pragma: no cover - jitted
+                    cos_u, sin_u, qk_norm, eps, q_from=0, int_scores=False, window=0):  # pragma: no cover - jitted
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
@@ -138,8 +146,11 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     buffers, heads ``q_stride`` apart), read in place block by block (_fill_block), its keys
     turned back by cos_u/sin_u [D/2] (the angles of minus its rotation delta). qk_norm [2 * D]:
     the queries' and keys' per-head RMSNorm weights with ``eps``, applied before RoPE (Qwen3), or
-    [0]: none. ``int_scores``: S^T on integers (chunk_scores_int: each block's key rows as bytes,
-    the query lanes as int8), numerics fast's choice where the CPU has vpdpbusd; else on floats."""
+    [0]: none. ``window`` > 0 (a sliding-window layer): query t sees the keys of its last
+    ``window`` positions only (the cache rows are the last ones before the chunk, cache/sliding.py),
+    the key blocks wholly before a claim's first window skipped. ``int_scores``: S^T on integers
+    (chunk_scores_int: each block's key rows as bytes, the query lanes as int8), numerics fast's
+    choice where the CPU has vpdpbusd; else on floats."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -250,7 +261,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 if int_scores:
                     quantise_key_rows(kb, (nb + A_ROWS - 1) // A_ROWS * A_ROWS, D, k8[n0 * D:], ksc[n0:], kbi[n0:])
             prep_rows = n_keys
-        for n0 in range(0, n_keys, KBLOCK):
+        k_lo = n_cached + t0 - window + 1 if window > 0 else 0  # the claim's first query's first key
+        for n0 in range(max(0, k_lo) // KBLOCK * KBLOCK, n_keys, KBLOCK):
             nb = min(KBLOCK, n_keys - n0)
             nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
             if int_scores:
@@ -262,7 +274,7 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 for mc in range(0, M, LANES):
                     for i in range(n0, n0 + nb4, A_ROWS):
                         outer4x32(kb, i * D, D, 1, qt, mc, M, st, (i - n0) * M + mc, M, D, 0)
-            _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D)
+            _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D, window)
             for mc in range(0, M, LANES):
                 for e in range(0, D, A_ROWS):
                     outer4x32(vb, n0 * D + e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)

@@ -12,8 +12,10 @@ claims chunks of each phase from atomic counters, with a barrier at each phase's
     1. causal attention (prefill_attention.py), one (KV head, token block) per claim, over the
        cache's rows read in place plus the chunk's own rows (RoPE of the keys it reads included)
     2. x += o_proj(attn)
-    3. act = silu(gate(m)) * up(m)
+    3. act = silu(gate(m)) * up(m)      (GELU's tanh approximation for Gemma)
     4. x += down(act)
+    5, 6. a sandwich-normed layer's (Gemma 3) adds: 2 and 4 write o and down's rows to scratch,
+       and x += rms_norm(row) * w follows each, a claim per token
 
 The products are float32 throughout (the exact route's numbers, summed in another order than
 the BLAS): the tile holds each row de-interleaved (even elements, then odd, as the 4-bit
@@ -29,7 +31,7 @@ import numpy as np
 from numba import njit
 
 from .affine import bias_at
-from .decode_step import FAST_ATTN, FAST_DOWN_WIDE, LINE, phase_barrier, phase_claim, phase_done, silu_mul
+from .decode_step import FAST_ATTN, FAST_DOWN_WIDE, LINE, act_mul, phase_barrier, phase_claim, phase_done
 from .half import kv_buffer
 from .int8panel import (
     PANEL8,
@@ -225,10 +227,28 @@ def _product_phase(ctl, phase, w, bits, group_size, xp, dst, add, tile, fast, xq
 
 
 @njit(fastmath=True, nogil=True, cache=True)
+def _add_normed_rows(ctl, phase, x, ob, w, off, eps):  # pragma: no cover - jitted
+    """x[t] += rms_norm(ob[t]) * w[off:off + dim], a token per claim; ends at the barrier."""
+    T, dim = x.shape
+    while True:
+        t = phase_claim(ctl, phase, T)
+        if t < 0:
+            break
+        ss = np.float32(0.0)
+        for j in range(dim):
+            ss += ob[t, j] * ob[t, j]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + eps)
+        for j in range(dim):
+            x[t, j] += ob[t, j] * inv * w[off + j]
+        phase_done(ctl, phase)
+    phase_barrier(ctl, phase, T)
+
+
+@njit(fastmath=True, nogil=True, cache=True)
 def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                   cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride, v_cache, v_stride, n_cached,
                   scale, q, k_raw, v_new, k_out, v_out, attn, act, xbuf, q_keep, quant, q_stride, n_quant, q_bits,
-                  q_group, cos_u, sin_u, qkv_bias, qk_norm, fast=0, act_block=0,
+                  q_group, cos_u, sin_u, qkv_bias, qk_norm, window, post_norm, gelu, ob, fast=0, act_block=0,
                   last_only=False):  # pragma: no cover
     """One layer for the chunk; ``x`` [T, dim] (float32) is updated in place (with ``last_only``
     its last row alone: the K and V of every token, then queries, attention, o_proj and the MLP
@@ -252,7 +272,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     queries are computed too, and their o_proj and MLP). A quantised middle (n_quant of the
     n_cached rows, read in place; the cache buffers hold the others): quant, q_stride, q_bits,
     q_group, cos_u and sin_u as chunk_attention takes them. qkv_bias [nq + nk + nv] (or [0]): the
-    q, k and v projections' biases, added to every token's row."""
+    q, k and v projections' biases, added to every token's row. ``window``, ``post_norm`` and
+    ``gelu`` as decode_step.layer_step takes them (a sliding-window layer's queries see their
+    last ``window`` positions; sandwich norms; GELU), with ob [T, dim] shared scratch for the
+    sandwich norms' inputs."""
     T, dim = x.shape
     n_keep = q_keep.shape[0]
     # the first row whose output past K and V is wanted
@@ -319,9 +342,10 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
 
     # 1. causal attention: query t sees the n_cached cached rows and the chunk's rows 0..t
     # (prefill_attention: claims of a KV head's query heads x a token block, keys in blocks)
+    int_scores = (fast & FAST_ATTN) != 0 and INT_SCORES
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, t1, (fast & FAST_ATTN) != 0 and INT_SCORES)
+                    cos_u, sin_u, qk_norm, eps, t1, int_scores, window)
 
     # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
     Tn = T - t1
@@ -329,10 +353,19 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     xp_d = rows_of(xbuf, 0, Tn, dim)
     xp_a = rows_of(xbuf, 0, Tn, ka)
 
-    # 3. x += o_proj(attn)
+    # 3. x += o_proj(attn) (sandwich norms: into ob, then x += norm(ob))
+    post = post_norm.shape[0] > 0
+    ob_r = ob[t1:]
+    # (values, not conditional expressions in the call: numba's bytecode rewrite refuses those
+    # in a call of this many arguments)
+    o_dst, o_add = xr, add
+    if post:
+        o_dst, o_add = ob_r, no_add
     _permuted(attn_r, no_norm, eps, xp_a)
-    _product_phase(ctl, phase_o, wo, bits[3], group_size, xp_a, xr, add, tile_a, f_o,
-                   _quantised(xp_a, f_o, act_blk, unit, one_plane), unit)
+    _product_phase(ctl, phase_o, wo, bits[3], group_size, xp_a, o_dst, o_add,
+                   tile_a, f_o, _quantised(xp_a, f_o, act_blk, unit, one_plane), unit)
+    if post:
+        _add_normed_rows(ctl, 5, xr, ob_r, post_norm, 0, eps)
 
     # 4. act = silu(gate(m)) * up(m), gate and up tiles of the same rows in one claim
     _permuted(xr, mlp_norm, eps, xp_d)
@@ -351,13 +384,15 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
         for t in range(Tn):
             for i in range(n):
                 c = r0 + i  # written de-interleaved, as _permuted would leave it for down_proj
-                act_r[t, (c >> 1) + (c & 1) * half_h] = silu_mul(gu[t, i], uu[t, i])
+                act_r[t, (c >> 1) + (c & 1) * half_h] = act_mul(gu[t, i], uu[t, i], gelu)
         phase_done(ctl, 3)
     phase_barrier(ctl, 3, n4)
 
     # 5. x += down(act), act already permuted (no norm: _permuted would only move its elements)
-    _product_phase(ctl, phase_down, wd, bits[6], group_size, act_r, xr, add, tile_h, f_down,
-                   _quantised(act_r, f_down, act_blk, unit, np.int64(down_planes)), unit)
+    _product_phase(ctl, phase_down, wd, bits[6], group_size, act_r, o_dst, o_add,
+                   tile_h, f_down, _quantised(act_r, f_down, act_blk, unit, np.int64(down_planes)), unit)
+    if post:
+        _add_normed_rows(ctl, 6, xr, ob_r, post_norm, x.shape[1], eps)
 
 
 @njit(nogil=True, cache=True)
@@ -368,15 +403,16 @@ def prefill_scratch(T, dim, attn_width):  # pragma: no cover - jitted
     return T * max(dim, attn_width)
 
 
-# phases 0-4 above: a layer passes 5 barriers, as decode_step's does
-LAYER_CTL = 2 * LINE * 5
+# phases 0-6 above: a layer passes 5 barriers (7 with sandwich norms), as decode_step's does
+LAYER_CTL = 2 * LINE * 7
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd, bits, group_size,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                  scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, q_addr, q_size, q_stride, n_quant,
-                 q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, qk_norm, act_block=0):  # pragma: no cover
+                 q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, qk_norm, window, post_norm, gelu, ob,
+                 act_block=0):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
@@ -393,7 +429,10 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
     (n_quant of the n_cached rows; 0: none) as token_step takes it, with cos_u/sin_u [L, D/2]
     the angles that turn its keys back by its rotation delta (chunk_attention); qkv_bias
     [L, nq + nk + nv] (or [L, 0]) each layer's q, k and v biases; qk_norm [L, 2 * D] (or [L, 0]) its
-    per-head q and k norms' weights (Qwen3: applied before RoPE; q_keep is kept before them)."""
+    per-head q and k norms' weights (Qwen3: applied before RoPE; q_keep is kept before them).
+    Per layer: n_cached and n_quant [L], cos/sin [L, T, D/2] (each layer's positions and RoPE
+    base), window [L], post_norm [L, 2 * dim] (or [L, 0]); ``gelu`` and ob [T, dim] as
+    prefill_layer takes them."""
     xbuf = np.empty(prefill_scratch(x.shape[0], x.shape[1], q.shape[1]), np.float32)
     byte = np.empty(0, np.uint8)
     for layer in range(bits.shape[0]):
@@ -403,13 +442,14 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
         quant = (kv_buffer(qa[0], qs[0], byte), kv_buffer(qa[1], qs[1], scales_like),
                  kv_buffer(qa[2], qs[2], scales_like), kv_buffer(qa[3], qs[3], byte),
                  kv_buffer(qa[4], qs[4], scales_like), kv_buffer(qa[5], qs[5], scales_like))
+        last = layer == bits.shape[0] - 1
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
-                      group_size, cos, sin, traditional, n_heads, n_kv_heads, k_cache, kv_stride[layer],
-                      v_cache, kv_stride[layer], n_cached, scale, q, k_raw, v_raw, k_out[layer], v_out[layer], attn,
-                      act, xbuf, q_keep[layer], quant, q_stride[layer], n_quant, q_bits, q_group, cos_u[layer],
-                      sin_u[layer], qkv_bias[layer], qk_norm[layer], fast[layer], act_block,
-                      layer == bits.shape[0] - 1)
+                      group_size, cos[layer], sin[layer], traditional, n_heads, n_kv_heads, k_cache,
+                      kv_stride[layer], v_cache, kv_stride[layer], n_cached[layer], scale, q, k_raw, v_raw,
+                      k_out[layer], v_out[layer], attn, act, xbuf, q_keep[layer], quant, q_stride[layer],
+                      n_quant[layer], q_bits, q_group, cos_u[layer], sin_u[layer], qkv_bias[layer], qk_norm[layer],
+                      window[layer], post_norm[layer], gelu, ob, fast[layer], act_block, last)
 
 
 def rope_table(start: int, n: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

