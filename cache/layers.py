@@ -96,23 +96,24 @@ def position(caches: Sequence[Any]) -> int:
     return 0
 
 
-def untrimmable(caches: Sequence[Any]) -> list:
-    """The slots that cannot drop their last tokens now (recurrent state, a sliding window that
-    has wrapped round, ...)."""
-    return [c for c in caches if not c.is_trimmable()]
+def untrimmable(caches: Sequence[Any], n: int | None = None) -> list:
+    """The slots that cannot drop their last ``n`` tokens now (recurrent state, a sliding window
+    that has wrapped round, or dropped more than its slack: SlidingKVCache.can_trim)."""
+    return [c for c in caches
+            if not (c.can_trim(n) if n is not None and hasattr(c, "can_trim") else c.is_trimmable())]
 
 
-def trim_reason(caches: Sequence[Any]) -> str:
-    """Why ``untrimmable(caches)`` cannot be trimmed, in words ("" when all can)."""
+def trim_reason(caches: Sequence[Any], n: int | None = None) -> str:
+    """Why ``untrimmable(caches, n)`` cannot be trimmed, in words ("" when all can)."""
     names: dict[str, int] = {}
-    for c in untrimmable(caches):
+    for c in untrimmable(caches, n):
         names[type(c).__name__] = names.get(type(c).__name__, 0) + 1
     if not names:
         return ""
     why = {
         "ArraysCache": "recurrent state summarises every token and cannot be rewound",
         "RotatingKVCache": "the sliding window has already overwritten the tokens before it",
-        "SlidingKVCache": "the sliding window has already dropped the tokens before it",
+        "SlidingKVCache": "the sliding window has already dropped the tokens it would need again",
     }
     parts = [f"{n} {name} layers ({why.get(name, 'not trimmable')})" for name, n in names.items()]
     return "; ".join(parts)

@@ -41,7 +41,7 @@ def trim_to_prompt(caches: list, cached: list[int], prompt: list[int], sinks: in
         return Reuse(0, restart=True)  # the divergence lies in history the window already dropped
     drop = len(cached) - common
     if drop:
-        why = trim_reason(caches)
+        why = trim_reason(caches, drop)
         if why:
             # mlx-lm's own layers that cannot drop their last tokens (recurrent state, a wrapped
             # sliding window): the conversation runs again from the start
