@@ -38,6 +38,10 @@ class RowOps(Protocol):
         of ``queries`` [heads, L, D], the last L held tokens' (sparsity.attention_mass); None
         where it cannot read the keys."""
 
+    def turn_rows(self, x: np.ndarray, delta: int) -> bool:
+        """The scored caches' kept queries: move float32 host rows ``x`` [..., D] by ``delta``
+        positions in place (as ``rotate`` moves keys)."""
+
     def select(self, quant, keep: np.ndarray, deltas: np.ndarray, first: int) -> bool:
         """The scored caches' eviction from the quantised middle: keep rows ``keep`` (ascending),
         keys from row ``first`` on moved by their own ``deltas`` positions and quantised again."""

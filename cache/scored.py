@@ -99,16 +99,20 @@ class ScoredKVCache(SegmentedKVCache):
     def __init__(self, settings: CacheSettings, repositioner: Repositioner | None = None, quantize: bool = False):
         super().__init__(settings, sinks=settings.sinks, window=settings.window, quantize=quantize,
                          budget=settings.budget, repositioner=repositioner)
-        self.scores: mx.array | None = None  # [kv_heads, held] in sequence order
+        # [kv_heads, held] in sequence order: an MLX array, or float32 host memory where native
+        # row ops serve the cache (``scores`` reads it as MLX either way; see _host)
+        self._scores: mx.array | np.ndarray | None = None
         self.last_dropped: list[int] = []  # held indices the last eviction removed (tests, stats)
         # Trailing held tokens that follow each other in the conversation with nothing evicted
         # between them: only these can be trimmed and re-used token-exactly (the engine asks).
         self._tail = 0
         # The last ``observe`` queries (as the model rotated them) and their scale: the votes.
         # A native decode step's queries arrive as host floats (``keep_queries``) and join them when
-        # they are read (the ``_obs`` property): an MLX op per layer and token would cost the
-        # fused step more than its attention over a short history.
+        # they are read (_host_obs): an MLX op per layer and token would cost the fused step more
+        # than its attention over a short history. Kept as MLX's route keeps them ([1, heads, L, D],
+        # _obs_mx) or on the host ([heads, L, D] float32, _obs_np), never both.
         self._obs_mx: mx.array | None = None
+        self._obs_np: np.ndarray | None = None
         self._obs_host: list = []
         self._scale = 1.0
         self._since = 0  # tokens attended since the scores were last brought up to date
@@ -119,21 +123,70 @@ class ScoredKVCache(SegmentedKVCache):
             self._maintain()
         return self._tail
 
+    # ---- where the scores and the voters live ---------------------------------------------
+    # Through MLX (no native row ops: Metal, CUDA, a model the fused step does not serve) they
+    # are MLX arrays, as they always were. Where native row ops serve the cache (the fused CPU
+    # step) they are host float32: the votes come from numpy (NativeRowOps.votes), the choice of
+    # rows to drop is made with numpy and the kept queries are turned by the native RoPE
+    # (NativeRowOps.turn_rows), so MLX arrays there cost an eviction only their read-backs: a
+    # small graph evaluated per layer and eviction for the scores, the kept queries and their
+    # turn (SmolLM2's 30 layers: 12-25 ms of an eviction on the loaded 2-core Xeon; the tokens
+    # chosen are the same, tests/test_scored_host.py).
+    # False: the scores stay MLX arrays on every route, as before (the tests compare the two)
+    host_scores = True
+
     @property
-    def _obs(self) -> mx.array | None:
+    def _host(self) -> bool:
+        return self.native is not None and self.host_scores
+
+    @property
+    def scores(self) -> mx.array | None:
+        """[kv_heads, held] float32 (an MLX array; held on the host where native ops serve)."""
+        s = self._scores
+        return mx.array(s) if isinstance(s, np.ndarray) else s
+
+    @scores.setter
+    def scores(self, value) -> None:
+        self._scores = value
+
+    def _scores_like(self, on_host: bool):
+        """The scores as host float32 (``on_host``) or as an MLX array: converted once where the
+        route changed (a restore, a cache the fused step took over)."""
+        s = self._scores
+        if s is not None and on_host != isinstance(s, np.ndarray):
+            s = self._scores = np.array(s, np.float32) if on_host else mx.array(s)
+        return s
+
+    def _host_obs(self) -> np.ndarray | None:
+        """The kept queries [heads, L, D] as host float32 (the decode steps' pending ones joined)."""
+        if self._obs_mx is not None:  # kept by MLX's route: read back once
+            self._obs_np, self._obs_mx = np.array(self._obs_mx[0].astype(mx.float32)), None
         if self._obs_host:
             host = self._obs_host[-self.observe:]
-            q = mx.array(host[0][None] if len(host) == 1 else np.stack(host))  # [L, heads, D]
-            q = q.transpose(1, 0, 2)[None]
+            q = np.stack(host, axis=1).astype(np.float32, copy=False)  # [heads, L, D]
             self._obs_host = []
-            if self._obs_mx is not None and q.shape[2] < self.observe:
-                q = mx.concatenate([self._obs_mx.astype(q.dtype), q], axis=2)
-            self._obs_mx = q[:, :, -self.observe:, :]
+            if self._obs_np is not None and q.shape[1] < self.observe:
+                q = np.concatenate([self._obs_np, q], axis=1)
+            self._obs_np = q[:, -self.observe:, :]
+        return self._obs_np
+
+    @property
+    def _obs(self) -> mx.array | None:
+        """The kept queries [1, heads, L, D] as MLX's route reads them."""
+        if self._obs_host or self._obs_np is not None:
+            q = self._host_obs()
+            return mx.array(q[None])
         return self._obs_mx
 
     @_obs.setter
     def _obs(self, value: mx.array | None) -> None:
-        self._obs_mx, self._obs_host = value, []
+        self._obs_mx, self._obs_np, self._obs_host = value, None, []
+
+    def _observed(self) -> int:
+        """How many queries are kept (0: none)."""
+        q = self._obs_np if self._obs_np is not None else self._obs_mx
+        kept = 0 if q is None else q.shape[-2]
+        return min(self.observe, kept + len(self._obs_host)) if self._obs_host else kept
 
     def _arrived(self, n: int) -> None:
         super()._arrived(n)
@@ -141,7 +194,7 @@ class ScoredKVCache(SegmentedKVCache):
         # the new tokens' zero scores are added when the scores are next read (_fit_scores): an
         # MLX concatenate per layer and decode step cost the fused step ~0.6 ms a token and
         # chained a graph as long as the time to the next eviction
-        if self.scores is None:
+        if self._scores is None:
             self._fit_scores(self.full.keys.shape[1])
 
     def keep_queries(self, queries, scale: float) -> None:
@@ -158,15 +211,20 @@ class ScoredKVCache(SegmentedKVCache):
 
     def keep_chunk_queries(self, queries, scale: float, n_tokens: int) -> None:
         """A native prefill chunk's last roped queries (host floats [n, heads, D]): kept as
-        ``attend`` keeps a chunk's."""
-        self._keep_chunk(mx.array(np.ascontiguousarray(queries.transpose(1, 0, 2)))[None], scale, n_tokens)
+        ``attend`` keeps a chunk's, on the host."""
+        q = np.array(queries.transpose(1, 0, 2), np.float32)  # [heads, n, D], a copy of its own
+        prev = self._host_obs()
+        if prev is not None and q.shape[1] < self.observe:
+            q = np.concatenate([prev, q], axis=1)
+        self._obs_np = q[:, -self.observe:, :]
+        self._scale, self._since = scale, self._since + n_tokens
 
     def _keep_chunk(self, queries: mx.array, scale: float, n_tokens: int) -> None:
         """The last ``observe`` of the kept queries and ``queries`` ([1, heads, L, D], a chunk's
         last L of its ``n_tokens``) become the votes."""
-        q = queries
-        if self._obs is not None and q.shape[2] < self.observe:
-            q = mx.concatenate([self._obs.astype(q.dtype), q], axis=2)
+        q, prev = queries, self._obs
+        if prev is not None and q.shape[2] < self.observe:
+            q = mx.concatenate([prev.astype(q.dtype), q], axis=2)
         self._obs = q[:, :, -self.observe:, :]
         self._scale, self._since = scale, self._since + n_tokens
 
@@ -174,22 +232,42 @@ class ScoredKVCache(SegmentedKVCache):
         """Scores for every held token: new tokens start at zero (they sit in the protected recent
         window while they gather mass), trimmed ones go."""
         held = self._held()
-        if self.scores is None:
+        s = self._scores
+        if s is None:
             if heads is None:
                 return
-            self.scores = mx.zeros((heads, 0), mx.float32)
-        n = held - self.scores.shape[1]
+            s = np.zeros((heads, 0), np.float32) if self._host else mx.zeros((heads, 0), mx.float32)
+        n = held - s.shape[1]
         if n > 0:
-            self.scores = mx.concatenate([self.scores, mx.zeros((self.scores.shape[0], n), mx.float32)], axis=1)
+            if isinstance(s, np.ndarray):
+                s = np.concatenate([s, np.zeros((s.shape[0], n), np.float32)], axis=1)
+            else:
+                s = mx.concatenate([s, mx.zeros((s.shape[0], n), mx.float32)], axis=1)
         elif n < 0:
-            self.scores = self.scores[:, :held]
+            s = s[:, :held]
+        self._scores = s
 
     def token_scores(self) -> mx.array:
         """One score per held token ([held]): summed over KV heads, averaged over neighbours."""
-        if self.scores is None:
-            return mx.zeros((self._held(),), mx.float32)
+        t = self._token_scores()
+        return mx.array(t) if isinstance(t, np.ndarray) else t
+
+    def _token_scores(self) -> mx.array | np.ndarray:
+        """token_scores where the scores live: numpy's operations on host scores are MLX's, in
+        the same order (float32 sums over the heads, a running sum, one division), so the same
+        bits (tests/test_scored_host.py)."""
+        if self._scores is None:
+            return np.zeros((self._held(),), np.float32) if self._host else mx.zeros((self._held(),), mx.float32)
         self._fit_scores()
-        t = self.scores.sum(axis=0)
+        if isinstance(self._scores, np.ndarray):
+            t = self._scores.sum(axis=0)
+            if self.pool:
+                c = np.concatenate([np.zeros((1,), np.float32), np.cumsum(t, dtype=np.float32)])
+                i = np.arange(t.shape[0])
+                lo, hi = np.maximum(i - self.pool, 0), np.minimum(i + self.pool + 1, t.shape[0])
+                t = (c[hi] - c[lo]) / (hi - lo).astype(np.float32)
+            return t
+        t = self._scores.sum(axis=0)
         if self.pool:
             c = mx.concatenate([mx.zeros((1,), mx.float32), mx.cumsum(t)])
             i = mx.arange(t.shape[0])
@@ -208,14 +286,16 @@ class ScoredKVCache(SegmentedKVCache):
 
     def _votes(self) -> mx.array | None:
         """Attention mass per KV head and held token ([kv_heads, held]) from the kept queries,
-        which are the last held tokens' (causal among themselves)."""
+        which are the last held tokens' (causal among themselves): host float32 where native ops
+        give them, else an MLX array."""
         held = self._held()
-        if self._obs is None or not held or self._obs.shape[2] > held:
+        seen = self._observed()
+        if not seen or not held or seen > held:
             return None
         if self.native is not None:
-            mass = self.native.votes(self.full, self.quant, self.sinks, np.array(self._obs[0]), self._scale)
+            mass = self.native.votes(self.full, self.quant, self.sinks, self._host_obs(), self._scale)
             if mass is not None:
-                return mx.array(mass)
+                return mass
         k, _ = self.full.view()
         if self._quant_len():  # scored never rotates its middle as a whole: no delta_q here
             qk, _ = self.quant.packed()
@@ -232,7 +312,12 @@ class ScoredKVCache(SegmentedKVCache):
         if votes is None:
             return
         self._fit_scores(votes.shape[0])
-        self.scores = self.scores * (self.decay ** self._since) + votes
+        on_host = self._host
+        if on_host != isinstance(votes, np.ndarray):  # MLX's votes where native ones declined, or
+            votes = np.array(votes, np.float32) if on_host else mx.array(votes)  # native ones kept on MLX
+        scores = self._scores_like(on_host)
+        # float32 times the decay as float32 (a Python float is weak in both), plus the votes
+        self._scores = scores * (self.decay ** self._since) + votes
         self._since = 0
 
     def trim(self, n: int) -> int:
@@ -269,7 +354,7 @@ class ScoredKVCache(SegmentedKVCache):
             return
         held = self._held()
         self._update_scores()
-        mid = np.array(self.token_scores()[start:end])
+        mid = np.array(self._token_scores()[start:end])
         # Least mass first; ties (e.g. tokens absorbed by a conversion, all at zero) go to the
         # oldest, so with no scores the policy is the window's.
         dropped = start + np.sort(np.lexsort((np.arange(len(mid)), mid))[:n])
@@ -296,10 +381,26 @@ class ScoredKVCache(SegmentedKVCache):
 
     def _after_eviction(self, keep: np.ndarray, n: int, held: int) -> None:
         """Scores, voters and counts follow the kept tokens ``keep`` of ``held``, ``n`` evicted."""
-        self._fit_scores(self.full.keys.shape[1])
-        self.scores = self.scores[:, mx.array(keep.astype(np.int32))]
-        if self._obs is not None:  # the voters sit in the recent window, which moved back by n
-            self._obs = self.repos.shift(self._obs, -n)
+        if isinstance(self._scores, np.ndarray):
+            s = self._scores  # [heads, held] as the eviction read them (_token_scores fitted them)
+            if s.shape[1] < held:
+                s = np.concatenate([s, np.zeros((s.shape[0], held - s.shape[1]), np.float32)], axis=1)
+            self._scores = s[:, keep]
+        else:
+            # (the fit trims the scores to the tokens now held, a view of the buffer that still
+            # holds them all: the gather reads the kept ones' scores from it)
+            self._fit_scores(self.full.keys.shape[1])
+            self._scores = self._scores[:, mx.array(keep.astype(np.int32))]
+        # the voters sit in the recent window, which moved back by n: turned on the host where
+        # they are kept there and native ops serve, else through MLX
+        if self._obs_host or self._obs_np is not None:
+            q = np.array(self._host_obs(), np.float32, order="C")  # a copy, turned in place
+            if self._host and self.native.turn_rows(q, -n):
+                self._obs_np = q
+            else:
+                self._obs = self.repos.shift(mx.array(q[None]), -n)
+        elif self._obs_mx is not None:
+            self._obs = self.repos.shift(self._obs_mx, -n)
         self.evicted += n
         tally(self.evicted_by, self.mode, n)
         self._tail = min(self._tail, held - 1 - self.last_dropped[-1])
@@ -349,7 +450,8 @@ class ScoredKVCache(SegmentedKVCache):
         if not self._held():
             return []
         self._fit_scores(self.full.view()[0].shape[1])
-        extra = [self.scores] + ([self._obs] if self._obs is not None else [])
+        obs = self._obs
+        extra = [self.scores] + ([obs] if obs is not None else [])
         return [*SegmentedKVCache.state.fget(self), *extra]
 
     @state.setter
@@ -405,8 +507,8 @@ class ScoredKVCache(SegmentedKVCache):
             return None
         start, end = self.evictable()
         scores = votes.sum(axis=0)
-        total = scores.sum().item()
-        return scores[start:end].sum().item() / total if total > 0 else None
+        total = float(scores.sum())
+        return float(scores[start:end].sum()) / total if total > 0 else None
 
 
 class ScoredQuantKVCache(ScoredKVCache):

@@ -170,6 +170,21 @@ class NativeRowOps:
         return self._count("remove_front", True)
 
     # ---- the scored caches (cache/scored.py) ---------------------------------------------
+    def turn_rows(self, x: np.ndarray, delta: int) -> bool:
+        """Move float32 rows x [..., D] (C-contiguous host memory) by ``delta`` positions in
+        place, as ``rotate`` turns the window's keys: the scored caches' kept queries, which sit
+        in the window, after an eviction moved it."""
+        from chatapp.kernels.kv_rows import rotate_rows
+
+        if x.dtype != np.float32 or not x.flags.c_contiguous or x.ndim < 2:
+            return self._count("turn_rows", False)
+        if delta and x.size:
+            D = x.shape[-1]
+            n = x.size // D
+            cos, sin = self._angles(delta)
+            rotate_rows(x.reshape(-1), 1, n * D, 0, n, D, cos, sin, self.traditional)
+        return self._count("turn_rows", True)
+
     def _key_rows(self, full, quant, sinks: int):
         """held_keys(h, out) writing head h's held keys [held * D] float32 into ``out``, with
         (heads, held, D); None where there are no host views or the middle is not per-token."""
