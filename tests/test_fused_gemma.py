@@ -104,7 +104,7 @@ def _same_logits(mode: str, steps: int = 24) -> None:
     assert all(c.dropped > 0 and c.offset == 37 + 9 + steps for c in sliding)  # past its window, positions kept
 
 
-@pytest.mark.parametrize("mode", ["prealloc", "window-quant", "scored"])
+@pytest.mark.parametrize("mode", ["prealloc", "quantized", "window", "window-quant", "scored", "scored-quant"])
 def test_gemma3_runs_fused_with_mlx_logits(mode):
     _same_logits(mode)
 
