@@ -56,6 +56,10 @@ def test_gemma3_is_read_from_what_its_modules_compute():
     assert mlp_activation(layer.mlp) == "gelu"
     assert embed_scale(m) == np.float32(mx.array(128 ** 0.5, mx.bfloat16).astype(mx.float32).item())
     assert fused_unsupported(m) is None
+    line = apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype="float32").fused_decode
+    for part in ("q/k norms", "sandwich norms", "GELU", "embeddings x 11.3125", "2 RoPE bases",
+                 "2 sliding-window layers (8 tokens)"):
+        assert part in line, line
 
 
 def test_a_norm_with_large_weights_is_read_with_its_offset():

@@ -67,7 +67,30 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
             f"prefill chunks: one native call each ({'the same int8 products' if numerics == 'fast' else 'float32'}); "
             f"{numerics_line(numerics)}; {kv_dtype_line(kv_dtype)}"
             + (f"; {dec.widened} 3/5/6-bit matrices read widened to a byte a value (exact, 8 / bits of their "
-               "bytes)" if dec.widened else ""))
+               "bytes)" if dec.widened else "") + _features(model, dec))
+
+
+def _features(model: nn.Module, dec: FusedDecoder) -> str:
+    """What the kernels compute beyond Llama's block for this model, for the plan's line."""
+    from cache.layers import model_layout, slides
+
+    parts = []
+    if dec._qkv_bias.shape[1]:
+        parts.append("q/k/v biases")
+    if dec._qk_norm.shape[1]:
+        parts.append("q/k norms")
+    if dec._post_norm.shape[1]:
+        parts.append("sandwich norms")
+    if dec.gelu:
+        parts.append("GELU")
+    if dec.embed_scale is not None:
+        parts.append(f"embeddings x {float(dec.embed_scale):g}")
+    if len(dec.angles.freqs) > 1:
+        parts.append(f"{len(dec.angles.freqs)} RoPE bases")
+    windows = [s.max_size for s in model_layout(model) if slides(s)]
+    if windows:
+        parts.append(f"{len(windows)} sliding-window layers ({'/'.join(map(str, sorted(set(windows))))} tokens)")
+    return f"; in the kernels: {', '.join(parts)}" if parts else ""
 
 
 def uninstall_fused_decode(model: nn.Module) -> None:
