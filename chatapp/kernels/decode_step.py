@@ -246,15 +246,18 @@ def apply_rope(v, cos, sin, traditional):  # pragma: no cover - jitted
             v[i + half] = a * sin[i] + b * cos[i]
 
 
-GELU_C = np.float32(np.sqrt(2.0 / np.pi))
+GELU_2C = np.float32(2.0 * np.sqrt(2.0 / np.pi))
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def act_mul(g, u, gelu):  # pragma: no cover - jitted
-    """The MLP's gate activation times up: SiLU (Llama), or GELU's tanh approximation as MLX's
-    ``nn.gelu_approx`` computes it (Gemma)."""
+    """The MLP's gate activation times up: SiLU (Llama), or GELU's tanh approximation (Gemma),
+    which MLX's ``nn.gelu_approx`` writes 0.5 g (1 + tanh(c (g + 0.044715 g^3))) and is
+    g sigmoid(2c (g + 0.044715 g^3)): one exp, as SiLU's, where numba's tanh had cost a 128-token
+    Gemma 3 270M prefill chunk 32 of its 173 ms in the kernel."""
     if gelu:
-        return np.float32(0.5) * g * (np.float32(1.0) + np.tanh(GELU_C * (g + np.float32(0.044715) * g * g * g))) * u
+        z = GELU_2C * g * (np.float32(1.0) + np.float32(0.044715) * g * g)
+        return g / (np.float32(1.0) + np.exp(-z)) * u
     return g / (np.float32(1.0) + np.exp(-g)) * u
 
 
