@@ -95,3 +95,23 @@ def test_eight_bit_rows_take_the_prefill_panel(bits):
             outs.append(np.array(m(mx.array([prompt]), cache=caches)[0, -1]))
     assert np.array_equal(outs[0], outs[1]) != PANEL8
     assert _close(outs[1], outs[0], tol=3e-2)
+
+
+@pytest.mark.parametrize("bits", [5, 8])
+def test_a_short_chunk_keeps_eight_bit_rows_on_the_float_tile(bits):
+    """Below PANEL8_MIN_TOKENS tokens an 8-bit panel costs more to pack than the float tile's
+    products (prefill_step.py): a short chunk's 8-bit rows run exact, as numerics exact runs them,
+    so its logits equal the exact route's bit for bit."""
+    from chatapp.kernels.prefill_step import PANEL8_MIN_TOKENS
+
+    exact, fast = _model(bits=bits, tied=False, seed=9), _model(bits=bits, tied=False, seed=9)
+    apply_fast_path(exact, backend="cpu", warm_up=False, numerics="exact")
+    apply_fast_path(fast, backend="cpu", warm_up=False, numerics="fast")
+    fast._chatapp_fused.set_fast(True, last_exact=False, head="exact", prefill_scores="exact")
+    prompt = [int(t) for t in mx.random.randint(0, 256, (PANEL8_MIN_TOKENS - 1,), key=mx.random.key(4))]
+    outs = []
+    for m in (exact, fast):
+        caches = make_caches(m, CacheSettings(mode="prealloc"))
+        with last_position_only():
+            outs.append(np.array(m(mx.array([prompt]), cache=caches)[0, -1]))
+    assert np.array_equal(outs[0], outs[1])

@@ -55,6 +55,13 @@ from .views import rows_of
 # down_proj had cost SmolLM2 +0.56-0.62% perplexity, now +0.11% after a 1,024-token chunk (BENCHMARKS.md)
 PREFILL_DOWN_WIDE = FAST_DOWN_WIDE
 ROW_TILE = PANEL_ROWS  # rows per claim: 16 x 1536 float32 = 96 KiB dequantised, inside L2
+# 8-bit rows take the int8 panel from this many tokens of a product on; fewer run on the float tile.
+# Packing an 8-bit panel costs as much as dequantising the tile, and the float tile's products
+# are cheap for a few tokens: in-kernel time, quiet Xeon, 2 threads, panel against float tile:
+# Gemma 3 270M Q4_K_M (its rows mostly 8-bit) 2 tokens 29.7 / 19.3 ms, 8: 32.2 / 27.0, 24: 46.3 /
+# 46.9; SmolLM2 Q4_K_M 8: 35.1 / 26.7, 16: 43.8 / 40.3, 24: 50.5 / 50.8, 32: 59.1 / 65.9. (4-bit
+# panels cost half to pack and win from 8 tokens on: SmolLM2 Q4_0 8 tokens 21.4 / 24.6 ms.)
+PANEL8_MIN_TOKENS = 24
 
 
 @njit(fastmath=True, nogil=True, cache=True)
@@ -145,9 +152,9 @@ def _tile_times(tile, n, xp, dst, col0, add):  # pragma: no cover - jitted
 def _tile_product(w, bits, group_size, r0, n, xp, dst, col0, add, tile, fast, xq, pan, unit):  # pragma: no cover
     """dst[t, col0 + i] (= or +=) row r0 + i of w times token t, i < n <= ROW_TILE: on float32
     (the tile dequantised, then _tile_times), or when ``fast`` and the rows 4-bit (or 8-bit where
-    int8panel.PANEL8) on int8 activations (int8panel: the rows packed into ``pan``, then every
-    token of xq: panel_rows)."""
-    if fast and (bits == 4 or bits == 8 and PANEL8):
+    int8panel.PANEL8, for PANEL8_MIN_TOKENS tokens or more) on int8 activations (int8panel: the
+    rows packed into ``pan``, then every token of xq: panel_rows)."""
+    if fast and (bits == 4 or bits == 8 and PANEL8 and xp.shape[0] >= PANEL8_MIN_TOKENS):
         packed, scales, biases = w
         steps = xp.shape[1] // 8
         width = PANEL_ROWS * bits // 4  # a step's dwords: the 8-bit panel is twice the 4-bit one
