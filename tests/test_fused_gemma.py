@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("numba", reason="the CPU kernels need numba (installed on Linux x86_64/aarch64)")
 
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from mlx_lm.models import gemma3_text  # noqa: E402
 
 from cache import CacheSettings, install_attention, make_caches  # noqa: E402
@@ -171,3 +173,63 @@ def test_the_real_gemma3_file_decodes_fused_with_mlx_greedy_tokens():
             out = m(mx.array([[t]]), cache=caches)[0, -1]
         toks.append(seq)
     assert toks[0] == toks[1]
+
+
+_POLICIES = ("prealloc", "window", "quantized", "window-quant", "scored", "scored-quant")
+_ops = st.lists(st.one_of(
+    st.tuples(st.just("prefill"), st.integers(2, 30)),
+    st.tuples(st.just("decode"), st.integers(1, 12)),
+    st.tuples(st.just("trim"), st.integers(1, 10)),
+    st.tuples(st.just("switch"), st.sampled_from(_POLICIES)),
+), min_size=3, max_size=8)
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(_POLICIES), ops=_ops, seed=st.integers(0, 10_000))
+def test_gemma3_fused_equals_mlx_after_random_turns_trims_and_switches(mode, ops, seed):
+    """Random prefills, decode steps, trims (where every layer can: a sliding window past its
+    slack refuses, and then neither route trims) and mode switches: the fused route's logits and
+    its sliding windows' contents equal MLX's route's."""
+    from cache import convert_caches
+
+    models = (_gemma(), _gemma())
+    apply_fast_path(models[1], backend="cpu", warm_up=False, kv_dtype="float32")
+    s = CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
+                      kv_group_size=32, kv_bits=8)
+    caches = [make_caches(m, s) for m in models]
+    rng = np.random.default_rng(seed)
+    quantised = "quant" in mode
+    for op, arg in [("prefill", 12)] + ops:
+        if op == "trim":  # as the session trims: all layers the same n, the last token kept
+            n = min(arg, min(c._held() for cs in caches for c in cs) - 1)
+            if n > 0 and all(c.can_trim(n) for cs in caches for c in cs if isinstance(c, SlidingKVCache)):
+                for cs in caches:
+                    assert all(c.trim(n) == n for c in cs)
+            continue
+        if op == "switch":
+            s = s.with_(mode=arg)
+            convs = [convert_caches(cs, m, s) for cs, m in zip(caches, models)]
+            assert len({c.action for c in convs}) == 1
+            if convs[0].action == "reprefill":
+                return  # history a window dropped cannot come back: the session re-prefills
+            caches = [c.caches for c in convs]
+            quantised = quantised or "quant" in arg or convs[0].lossy
+            continue
+        tokens = [int(t) for t in rng.integers(0, CONFIG["vocab_size"], arg)]
+        if op == "prefill":
+            outs = []
+            for m, cs in zip(models, caches):
+                with last_position_only():
+                    outs.append(np.array(m(mx.array([tokens]), cache=cs)[0, -1]))
+        else:
+            for t in tokens:
+                outs = [np.array(m(mx.array([[t]]), cache=cs)[0, -1]) for m, cs in zip(models, caches)]
+        tol = 5e-3 if quantised else 2e-4
+        assert float(np.abs(outs[1] - outs[0]).max()) <= tol * max(1.0, float(np.abs(outs[0]).max())), op
+    for a, b in zip(*caches):
+        assert type(a) is type(b) and a.offset == b.offset
+        if isinstance(a, SlidingKVCache) and a.full.length:
+            a.settle(), b.settle()
+            assert a.dropped == b.dropped and a.full.length == b.full.length
+            for x, y in zip(a.full.view(), b.full.view()):
+                assert float(mx.abs(x - y).max()) <= 1e-4 * max(1.0, float(mx.abs(x).max()))
