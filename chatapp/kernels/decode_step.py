@@ -219,14 +219,20 @@ def _project(w, bits, group_size, r_start, r_end, xn, xe, xo, xsum, dst, add, fa
 
 
 @njit(fastmath=True, nogil=True, cache=True, inline="always")
+def rms_inv(v, eps):  # pragma: no cover - jitted
+    """1 / sqrt(mean(v^2) + eps) of the vector v: what an RMS norm scales it by."""
+    ss = np.float32(0.0)
+    for e in range(v.shape[0]):
+        ss += v[e] * v[e]
+    return np.float32(1.0) / np.sqrt(ss / np.float32(v.shape[0]) + eps)
+
+
+@njit(fastmath=True, nogil=True, cache=True, inline="always")
 def head_norm(v, w, off, eps):  # pragma: no cover - jitted
     """v [D] <- v / sqrt(mean(v^2) + eps) * w[off:off + D]: Qwen3's per-head RMSNorm of the
     queries and keys, before RoPE (w: the q norm's weights then the k norm's)."""
     D = v.shape[0]
-    ss = np.float32(0.0)
-    for e in range(D):
-        ss += v[e] * v[e]
-    r = np.float32(1.0) / np.sqrt(ss / np.float32(D) + eps)
+    r = rms_inv(v, eps)
     for e in range(D):
         v[e] = v[e] * r * w[off + e]
 
@@ -267,12 +273,8 @@ def add_normed(ctl, phase, x, ob, w, off, eps):  # pragma: no cover - jitted
     the phase's barrier: a sandwich-normed layer's residual adds (Gemma 3's post-attention and
     post-feed-forward norms need the whole projection's row before any of it is added)."""
     if phase_claim(ctl, phase, 1) == 0:
-        dim = x.shape[0]
-        ss = np.float32(0.0)
-        for j in range(dim):
-            ss += ob[j] * ob[j]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + eps)
-        for j in range(dim):
+        inv = rms_inv(ob, eps)
+        for j in range(x.shape[0]):
             x[j] += ob[j] * inv * w[off + j]
         phase_done(ctl, phase)
     phase_barrier(ctl, phase, 1)

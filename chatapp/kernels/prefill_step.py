@@ -31,7 +31,16 @@ import numpy as np
 from numba import njit
 
 from .affine import bias_at
-from .decode_step import FAST_ATTN, FAST_DOWN_WIDE, LINE, act_mul, phase_barrier, phase_claim, phase_done
+from .decode_step import (
+    FAST_ATTN,
+    FAST_DOWN_WIDE,
+    LINE,
+    act_mul,
+    phase_barrier,
+    phase_claim,
+    phase_done,
+    rms_inv,
+)
 from .half import kv_buffer
 from .int8panel import (
     PANEL8,
@@ -241,10 +250,7 @@ def _add_normed_rows(ctl, phase, x, ob, w, off, eps):  # pragma: no cover - jitt
         t = phase_claim(ctl, phase, T)
         if t < 0:
             break
-        ss = np.float32(0.0)
-        for j in range(dim):
-            ss += ob[t, j] * ob[t, j]
-        inv = np.float32(1.0) / np.sqrt(ss / np.float32(dim) + eps)
+        inv = rms_inv(ob[t], eps)
         for j in range(dim):
             x[t, j] += ob[t, j] * inv * w[off + j]
         phase_done(ctl, phase)
