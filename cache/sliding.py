@@ -24,6 +24,7 @@ it as it is, and a trim that would leave the next token's window short is refuse
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .base import CacheStateError
@@ -32,7 +33,8 @@ from .settings import CacheSettings
 
 
 class SlidingKVCache(SegmentedKVCache):
-    """The last ``window`` tokens of a sliding-window layer (up to ``chunk`` more), full precision."""
+    """The last ``window`` tokens of a sliding-window layer (and one to two chunks more, the slack a
+    trim takes back), full precision."""
 
     sliding = True
 
@@ -56,8 +58,6 @@ class SlidingKVCache(SegmentedKVCache):
         their cache's, plamo3's ``window + 1``, get mlx-lm's logits): a chunk sees the last
         ``window - 1`` held rows at most, masked causally to ``window_size`` (the cache's window
         when not given); one token the last min(window_size, window) keys, itself included."""
-        import mlx.core as mx
-
         if self._pending:
             self._maintain()
         held, W = self.full.length, self.window_size
