@@ -65,3 +65,8 @@ class _CacheBase:
             q.values = mx.quantize(v, group_size=group_size, bits=bits)
             q.offset = k.shape[2]
         return q
+
+
+def is_sliding(c) -> bool:
+    """A sliding-window layer's own cache (sliding.SlidingKVCache), not a policy's."""
+    return getattr(c, "sliding", False) is True

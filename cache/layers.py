@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from .base import is_sliding
 from .kv import _CacheBase
 
 # What each of mlx-lm's kinds holds, for the one-line reasons shown to the user.
@@ -56,7 +57,7 @@ def slides(slot: Any) -> bool:
 
 def is_policy(c: Any) -> bool:
     """A chatapp cache that holds the session's policy (not a sliding-window layer's own cache)."""
-    return is_ours(c) and getattr(c, "sliding", False) is not True
+    return is_ours(c) and not is_sliding(c)
 
 
 def foreign(caches: Sequence[Any]) -> list:

@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from .base import CacheStateError
+from .buffers import FullBuffer
 from .kv import SegmentedKVCache, register_with_mlx_lm
 from .settings import CacheSettings
 
@@ -41,6 +42,9 @@ class SlidingKVCache(SegmentedKVCache):
     def __init__(self, settings: CacheSettings, window: int):
         super().__init__(settings)
         self._plain = False  # maintenance (dropping) follows each append
+        # grown by whole chunks, as the state setter rebuilds it (the held rows stay within two
+        # chunks of the window: nothing to gain from growing by half the capacity)
+        self.full = FullBuffer(settings.chunk_size, geometric=False)
         self.window_size = int(window)
         self.mode = "sliding"
         self.dropped = 0  # tokens before the held ones: their positions stay as computed
@@ -132,10 +136,6 @@ class SlidingKVCache(SegmentedKVCache):
 # theirs. Elsewhere (a model that positions every layer by the first cache's offset) that would
 # turn the sliding layers' keys by the wrong positions, so the evicting modes stay refused.
 OWN_OFFSETS = ("gemma3_text",)
-
-
-def is_sliding(c) -> bool:
-    return getattr(c, "sliding", False) is True
 
 
 register_with_mlx_lm(SlidingKVCache)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable
 
+from .base import is_sliding
+
 
 @dataclass
 class CacheUsage:
@@ -59,7 +61,7 @@ def total_usage(caches: Iterable) -> CacheUsage:
     every such layer), or for a model without any, the longest of its own caches."""
     caches = list(caches)
     # the policy caches (a sliding window's own cache has usage() too, but not the sequence's count)
-    ours = [c for c in caches if hasattr(c, "usage") and getattr(c, "sliding", False) is not True]
+    ours = [c for c in caches if hasattr(c, "usage") and not is_sliding(c)]
     total = CacheUsage()
     for c in caches:
         total = total + layer_usage(c)

@@ -260,10 +260,15 @@ class FusedDecoder:
                                      0).astype(np.int64)
 
     def embedding(self, token: int) -> np.ndarray:
-        """The token's embedding row as float32 (what the embedding layer returns)."""
+        """The token's embedding row as float32, times the model's embedding scale (what the
+        first layer receives)."""
+        row = self._embedding_row(token)
+        return row * self.embed_scale if self.embed_scale is not None else row
+
+    def _embedding_row(self, token: int) -> np.ndarray:
+        """What the embedding layer returns for ``token``, float32."""
         if self.embed_packed is None:
-            row = np.asarray(self.embed["weight"][token].astype(mx.float32)).copy()
-            return row * self.embed_scale if self.embed_scale is not None else row
+            return np.asarray(self.embed["weight"][token].astype(mx.float32)).copy()
         pw = self.embed_packed
 
         def f32(a):
@@ -277,8 +282,7 @@ class FusedDecoder:
             q = row.astype(np.float32)
         g = pw.group_size
         s, b = f32(pw.scales[token]), f32(pw.biases[token])
-        row = (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
-        return row * self.embed_scale if self.embed_scale is not None else row
+        return (q.reshape(-1, g) * s[:, None] + b[:, None]).reshape(-1).astype(np.float32)
 
     def adopt(self, caches: list) -> None:
         """Give the caches that hold no buffers yet this decoder's K/V dtype, so that what
@@ -531,7 +535,7 @@ class FusedDecoder:
         cos, sin = np.ones((n, half), np.float32), np.zeros((n, half), np.float32)
         for i, c in enumerate(caches):
             if c.quant is not None and c.quant.length and c.delta_q:
-                cos[i], sin[i] = rope_angles(-c.delta_q, self.angles.first_of_kind(i))
+                cos[i], sin[i] = rope_angles(-c.delta_q, self.angles.freqs_of(i))
         return cos, sin
 
 

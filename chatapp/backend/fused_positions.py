@@ -24,7 +24,8 @@ class LayerAngles:
         n, half = self.inv_freqs.shape
         self.cos, self.sin = np.ones((n, half), np.float32), np.zeros((n, half), np.float32)
 
-    def first_of_kind(self, layer: int) -> np.ndarray:
+    def freqs_of(self, layer: int) -> np.ndarray:
+        """The RoPE frequencies of ``layer`` [D/2]."""
         return self.freqs[self.kind[layer]]
 
     def step(self, positions: np.ndarray, out: tuple[np.ndarray, np.ndarray] | None = None
@@ -64,4 +65,6 @@ def positions(caches: list) -> np.ndarray:
 
 def windows(caches: list) -> np.ndarray:
     """Each layer's attention window (the kernels' ``window``): a sliding cache's, else 0."""
-    return np.array([c.window_size if getattr(c, "sliding", False) is True else 0 for c in caches], np.int64)
+    from cache.base import is_sliding
+
+    return np.array([c.window_size if is_sliding(c) else 0 for c in caches], np.int64)
