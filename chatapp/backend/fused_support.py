@@ -13,7 +13,7 @@ from .fused_settings import KV_HOST
 # model types whose code around the layers' modules is known (mlx-lm's granite and minicpm hold
 # Llama's modules but scale the embedding, the residuals and the logits in their code, which no
 # module shows): Llama's block, and gemma3_text's (its embedding times sqrt(hidden) rounded to
-# bfloat16, EMBED_SCALE). What the layers compute inside their modules (biases, q/k norms, the
+# bfloat16: embed_scale). What the layers compute inside their modules (biases, q/k norms, the
 # norms' +1 offset, sandwich norms, the MLP's activation, each layer's RoPE) is read from the
 # modules themselves, by what they compute (norm_weights, mlp_activation)
 FUSED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
