@@ -238,7 +238,7 @@ def accelerate_model(
     replaced = {}
     for name, m in targets:
         if isinstance(m, nn.QuantizedEmbedding):
-            new = CpuQuantizedEmbedding(m, dense_prefill_threshold, numpy_matvec)
+            new = CpuQuantizedEmbedding(m, dense_prefill_threshold, numpy_matvec, act)
             plan.embeddings.append(name)
         else:
             new = CpuQuantizedLinear(m, dense_prefill_threshold, numpy_matvec)
