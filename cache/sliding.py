@@ -135,7 +135,7 @@ class SlidingKVCache(SegmentedKVCache):
 # one's): the evicting policies may compact the full layers' positions while these windows keep
 # theirs. Elsewhere (a model that positions every layer by the first cache's offset) that would
 # turn the sliding layers' keys by the wrong positions, so the evicting modes stay refused.
-OWN_OFFSETS = ("gemma3_text",)
+OWN_OFFSETS = ("gemma3_text", "gemma3")  # gemma3: the multimodal checkpoints, whose code calls gemma3_text's
 
 
 register_with_mlx_lm(SlidingKVCache)

@@ -66,6 +66,27 @@ def _same_logits(ref, fast, mode: str) -> None:
         assert close(a, b)
 
 
+def _mistral3(seed: int = 5):
+    """mlx-lm's mistral3 (Mistral Small 3.x's multimodal checkpoints) around a random Mistral text
+    model: its call hands the tokens to ``language_model``."""
+    from mlx_lm.models import llama, mistral3
+
+    config = {"model_type": "mistral", **CONFIG}
+    m = mistral3.Model(mistral3.ModelArgs(model_type="mistral3", text_config=dict(config)))
+    m.language_model = randomize(llama.Model(llama.ModelArgs.from_dict(config)), config, seed, quantize_bits=4,
+                                 group_size=32)
+    install_attention(m)
+    return m
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant"])
+def test_the_multimodal_mistral3_type_runs_fused_with_mlx_logits(mode):
+    ref, fast = _mistral3(), _mistral3()
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert fused_unsupported(fast) is None and is_fused(fast)
+    _same_logits(ref, fast, mode)
+
+
 def _qwen3(seed: int = 5):
     config = {"model_type": "qwen3", "head_dim": 32, **CONFIG}
     m = randomize(qwen3.Model(qwen3.ModelArgs.from_dict(config)), config, seed, quantize_bits=4, group_size=32)

@@ -34,8 +34,8 @@ CONFIG = dict(model_type="gemma3_text", hidden_size=128, num_hidden_layers=4, in
               rope_local_base_freq=1e4, max_position_embeddings=4096)
 
 
-def _gemma(seed: int = 3):
-    config = dict(CONFIG)
+def _gemma(seed: int = 3, **changes):
+    config = {**CONFIG, **changes}
     m = randomize(gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config)), config, seed, quantize_bits=4,
                   group_size=32)
     rng = np.random.default_rng(seed)
@@ -80,10 +80,23 @@ def test_a_norm_with_large_weights_is_read_with_its_offset():
     assert np.allclose(norm_weights(plain), np.array(plain.weight))
 
 
-def _same_logits(mode: str, steps: int = 24) -> None:
+def _multimodal(seed: int = 3):
+    """mlx-lm's gemma3 (a Gemma 3 4B+ checkpoint: the text model inside, the vision tower dropped
+    at load) around the random text model."""
+    from mlx_lm.models import gemma3
+
+    m = gemma3.Model(gemma3.ModelArgs(model_type="gemma3", text_config=dict(CONFIG), vocab_size=CONFIG["vocab_size"]))
+    m.language_model = _gemma(seed)
+    return m
+
+
+def _same_logits(mode: str, steps: int = 24, build=_gemma) -> None:
     """Prefills of 37 and 9 tokens (past the window, over what the first left), then ``steps``
-    decode steps: the fused model's logits equal MLX's route's."""
-    ref, fast = _gemma(), _gemma()
+    decode steps: the fused model's logits equal MLX's route's (the reference: ``build``'s text
+    model, on MLX's route)."""
+    from chatapp.backend.fused_support import text_model
+
+    ref, fast = text_model(build()), build()
     apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
     assert fused_unsupported(fast) is None and is_fused(fast)
     s = CacheSettings(mode=mode, sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16,
@@ -115,6 +128,29 @@ def test_gemma3_runs_fused_with_mlx_logits(mode):
     _same_logits(mode)
 
 
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant"])
+def test_linear_rope_scaling_on_the_global_layers_runs_fused(mode):
+    """Gemma 3 4B+ scale their global layers' positions by 1/8 (rope_scaling linear), their
+    sliding ones not: each layer's RoPE is read from its module."""
+    def build():
+        return _gemma(rope_scaling={"rope_type": "linear", "factor": 8.0})
+
+    m = build()
+    scales = {float(layer.self_attn.rope.scale) for layer in m.model.layers}
+    assert scales == {1.0, 0.125}
+    _same_logits(mode, steps=12, build=build)
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant", "scored-quant"])
+def test_the_multimodal_gemma3_type_runs_fused(mode):
+    """Gemma 3 4B+ checkpoints are mlx-lm's gemma3, whose call hands the tokens to gemma3_text:
+    the fused steps serve that text model, and the evicting policies run as on gemma3_text."""
+    m = _multimodal()
+    assert fused_unsupported(m) is None
+    assert "2 sliding-window layers" in apply_fast_path(m, backend="cpu", warm_up=False).fused_decode
+    _same_logits(mode, steps=12, build=_multimodal)
+
+
 def test_a_fused_gemma_prefill_and_step_run_in_the_kernels(monkeypatch):
     """The prefill and the decode step are the kernels' (FusedDecoder.prefill / step): MLX's
     attention over the caches never runs for them."""
@@ -144,10 +180,9 @@ def test_the_per_projection_route_keeps_float32_activations_from_float16_scales(
     The route that runs outside the fused steps (mlx-lm's caches here; a model the steps decline)
     looked its embeddings up as float16 rows, and Gemma's clip_residual kept the whole residual
     stream in float16: the real 270M file scored 14.8 against 13.9 through MLX."""
+    import mlx.nn as nn
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models.cache import make_prompt_cache
-
-    import mlx.nn as nn
 
     ref, fast = _gemma(), _gemma()
     for m in (ref, fast):  # a quantised, tied embedding with float16 scales, as a GGUF load leaves it

@@ -52,6 +52,7 @@ from .fused_support import (
     embed_scale,
     inner_model,
     mlp_activation,
+    text_model,
 )
 from .kv_native import NativeRowOps
 
@@ -81,6 +82,7 @@ class FusedDecoder:
     chunks = 0
 
     def __init__(self, model: nn.Module, numerics: str = "exact", kv_dtype: str = "float32"):
+        model = text_model(model)
         inner = inner_model(model)
         # the dtype of the K/V buffers this decoder gives the caches it meets empty (adopt):
         # float16 halves the bytes a long-context step streams and the cache's memory

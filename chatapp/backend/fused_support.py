@@ -104,6 +104,20 @@ def mlp_activation(mlp) -> str:
     return "an MLP activation other than SiLU or GELU's tanh approximation"
 
 
+# model types whose code hands the tokens and the cache straight to their ``language_model`` (mlx-lm's
+# gemma3 and mistral3: the multimodal checkpoints of Gemma 3 4B+ and Mistral Small 3.x, whose
+# images never reach chatapp): the fused steps serve the text model inside
+TEXT_WRAPPERS = ("gemma3", "mistral3")
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The model whose layers the fused steps read: ``model`` itself, or the text model a
+    TEXT_WRAPPERS type hands its calls to."""
+    mtype = getattr(getattr(model, "args", None), "model_type", None)
+    inner = model.get("language_model") if isinstance(model, nn.Module) and mtype in TEXT_WRAPPERS else None
+    return inner if isinstance(inner, nn.Module) else model
+
+
 def inner_model(model: nn.Module):
     return model.get("model") if isinstance(model, nn.Module) else None
 
@@ -176,6 +190,7 @@ def _qk_norms(attn, layer_norm) -> str | None:
 
 def fused_unsupported(model: nn.Module) -> str | None:
     """None when the decode step of ``model`` can be fused, else why not (one phrase)."""
+    model = text_model(model)
     args = getattr(model, "args", None)
     inner = inner_model(model)
     layers = getattr(inner, "layers", None)
