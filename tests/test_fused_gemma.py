@@ -151,6 +151,37 @@ def test_the_multimodal_gemma3_type_runs_fused(mode):
     _same_logits(mode, steps=12, build=_multimodal)
 
 
+def test_a_multimodal_gemma3_folder_loads_fused(tmp_path):
+    """An mlx-community Gemma 3 4B+ folder as it is (model_type gemma3, the text model's config
+    under text_config, a vision tower mlx-lm drops at load): chatapp's loader and CPU plan run it
+    on the fused steps, with the text model's logits."""
+    from mlx.utils import tree_flatten
+
+    from chatapp.model.loader import load_model, save_model_dir
+    from tests.conftest import shared_model
+
+    tokenizer = shared_model("stories260K")
+    m = _multimodal()
+    config = {"model_type": "gemma3", "vocab_size": CONFIG["vocab_size"], "text_config": dict(CONFIG),
+              "quantization": {"group_size": 32, "bits": 4}}
+    folder = save_model_dir(tmp_path / "gemma-3-tiny-it-4bit", m, config, tokenizer)
+    weights = dict(tree_flatten(m.parameters()))
+    weights["vision_tower.patch_embedding.weight"] = mx.zeros((4, 4))  # dropped by mlx-lm's sanitize
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    lm = load_model(str(folder), cast_scales=False)
+    assert type(lm.model).__module__.endswith("gemma3") and fused_unsupported(lm.model) is None
+    plan = apply_fast_path(lm.model, backend="cpu", warm_up=False, kv_dtype="float32")
+    assert "2 sliding-window layers" in plan.fused_decode and is_fused(lm.model)
+    ref = _gemma()
+    tokens = [5, 17, 3, 99, 41, 7, 250, 12, 60, 2, 33, 8]
+    caches = [make_caches(x, CacheSettings(mode="window-quant", window=8, evict_chunk=8, max_kv_tokens=24,
+                                           kv_group_size=32)) for x in (ref, lm.model)]
+    for step in (tokens, [9], [10]):
+        with last_position_only():
+            a, b = (np.array(x(mx.array([step]), cache=c)[0, -1]) for x, c in zip((ref, lm.model), caches))
+        assert np.abs(b - a).max() <= 2e-4 * max(1.0, np.abs(a).max()), float(np.abs(b - a).max())
+
+
 def test_a_fused_gemma_prefill_and_step_run_in_the_kernels(monkeypatch):
     """The prefill and the decode step are the kernels' (FusedDecoder.prefill / step): MLX's
     attention over the caches never runs for them."""
