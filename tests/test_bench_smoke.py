@@ -170,3 +170,50 @@ def test_long_llama_peer_keeps_its_cache_and_reports_past_n_ctx(tmp_path, monkey
     assert not rows[2].ran and "past n_ctx (48 > 40 tokens)" in rows[2].note and "llama_decode" in rows[2].note
     assert not rows[3].ran and "stopped" in rows[3].note
     assert peer.proc.returncode == 0
+
+
+class _CountedLlama:
+    """A stand-in llama_cpp.Llama that counts the instances open at once (closed by close())."""
+
+    alive = 0
+    most = 0
+
+    def __init__(self, model_path, n_ctx, **kw):
+        self._n_ctx = n_ctx
+        type(self).alive += 1
+        type(self).most = max(type(self).most, type(self).alive)
+
+    def n_ctx(self):
+        return self._n_ctx
+
+    def reset(self):
+        pass
+
+    def eval(self, ids):
+        pass
+
+    def sample(self, top_k, temp):
+        return 7
+
+    def close(self):
+        type(self).alive -= 1
+
+
+def test_the_cpu_benchs_llama_peer_keeps_one_instance_alive(monkeypatch):
+    """bench cpu's llama.cpp peer opens a bigger context for each deep decode: it closes the one
+    before, since two 7B contexts alive at once read llama.cpp's decode at 1.96 tok/s where one
+    alone decodes 3.19 (issue 34)."""
+    import sys
+    import types
+
+    from chatapp.bench.cpu_peer import run_llama_cpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=_CountedLlama))
+    monkeypatch.setattr(_CountedLlama, "alive", 0)
+    monkeypatch.setattr(_CountedLlama, "most", 0)
+    spec = {"gguf": "m.gguf", "prompt": list(range(20)), "decode": 4, "short": 8, "greedy": 3, "threads": 2,
+            "contexts": [600, 900], "modes": ["prealloc"], "long_tokens": 4}
+    res = run_llama_cpp(spec)
+    assert [r["context"] for r in res["long"]] == [600, 900]
+    assert _CountedLlama.most == 1
+
