@@ -217,3 +217,22 @@ def test_the_cpu_benchs_llama_peer_keeps_one_instance_alive(monkeypatch):
     assert [r["context"] for r in res["long"]] == [600, 900]
     assert _CountedLlama.most == 1
 
+
+def test_bench_longs_flat_ttft_target_reads_the_turns_at_the_budget():
+    """bench long's second TTFT target compares the last turn with the first that held the
+    budget: it passes where TTFT stays level from there, fails where it grows, and is not
+    measured for a cache that grew to the last turn."""
+    from chatapp.bench.long_bench import Row, check_targets
+
+    def rows(mode, held, ttft):
+        return [Row(t, mode, conversation=600 * t, held=h, new=500, ttft_ms=ms)
+                for t, (h, ms) in enumerate(zip(held, ttft), start=1)]
+
+    budget = [550, 1100, 1650, 2000, 2000, 2000]
+    got = {t["target"].split(":")[0] + ("/flat" if "flat" in t["target"] else ""): t["passed"]
+           for t in check_targets(rows("window-quant", budget, [400, 500, 700, 900, 950, 980])
+                                  + rows("scored-quant", budget, [400, 500, 700, 900, 1000, 1200])
+                                  + rows("prealloc", [550, 1100, 1650, 2200, 2750, 3300], [400] * 6),
+                                  ["window-quant", "scored-quant", "prealloc"])}
+    assert got["window-quant/flat"] is True and got["scored-quant/flat"] is False
+    assert got["prealloc/flat"] is None
