@@ -122,3 +122,22 @@ def trim_reason(caches: Sequence[Any], n: int | None = None) -> str:
 
 __all__ = ["foreign", "is_ours", "is_policy", "kinds", "model_layout", "position", "primary", "slides",
            "takes_policy", "trim_reason", "uniform", "untrimmable"]
+
+
+def settle(caches: Sequence[Any]) -> None:
+    """Run the maintenance due in each of our caches (quantise a chunk, evict) now. Where the
+    scored caches' votes run natively, every layer's are asked first and run as one pool map
+    (NativeRowOps.votes_many): a layer's 3 KV heads on 2 threads left a thread idle, and a pool
+    dispatch per layer cost more than one for all of them."""
+    ours = [c for c in caches if is_ours(c) and hasattr(c, "settle")]
+    asked = []
+    for c in ours:
+        request = getattr(c, "vote_request", None)
+        r = request() if request is not None else None
+        if r is not None:
+            asked.append((c, r))
+    if len(asked) > 1:
+        for (c, _), mass in zip(asked, asked[0][0].native.votes_many([r for _, r in asked])):
+            c.take_votes(mass)
+    for c in ours:
+        c.settle()

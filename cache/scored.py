@@ -116,6 +116,7 @@ class ScoredKVCache(SegmentedKVCache):
         self._obs_host: list = []
         self._scale = 1.0
         self._since = 0  # tokens attended since the scores were last brought up to date
+        self._given_votes: np.ndarray | None = None  # take_votes: the next eviction's, computed
 
     @property
     def contiguous_tail(self) -> int:
@@ -292,6 +293,9 @@ class ScoredKVCache(SegmentedKVCache):
         seen = self._observed()
         if not seen or not held or seen > held:
             return None
+        if self._given_votes is not None:  # asked for with every layer's (vote_request)
+            mass, self._given_votes = self._given_votes, None
+            return mass
         if self.native is not None:
             mass = self.native.votes(self.full, self.quant, self.sinks, self._host_obs(), self._scale)
             if mass is not None:
@@ -338,12 +342,37 @@ class ScoredKVCache(SegmentedKVCache):
 
     def _maintain(self) -> None:
         self._pending = False
+        self._flush_before_eviction()
+        if self._evict_due():
+            self._evict(self._held() - self.budget)
+        self._given_votes = None
+
+    def _flush_before_eviction(self) -> None:
+        """The flushes due before an eviction (done once: after them none is due)."""
         if self._flush_due():
             self._flush(self._recent() - (self.window or 0))
-        if self._evict_due():
-            if self.quant is not None and self._recent() > (self.window or 0):
-                self._flush(self._recent() - (self.window or 0))  # the whole middle is quantised
-            self._evict(self._held() - self.budget)
+        if self._evict_due() and self.quant is not None and self._recent() > (self.window or 0):
+            self._flush(self._recent() - (self.window or 0))  # the whole middle is quantised
+
+    # ---- every layer's votes at once (a native step's settle, backend/kv_native.settle_caches):
+    # one layer's 3 KV heads on 2 threads left a thread idle a third of the time, and a pool
+    # dispatch per layer cost more than one for all 30
+    def vote_request(self) -> tuple | None:
+        """What the maintenance now due will ask ``native.votes`` for (full, quant, sinks,
+        queries, scale), after the flushes that come before it; None where no eviction is due or
+        no native row ops serve the cache. ``take_votes`` then hands the answer back."""
+        if not self._pending or self.native is None:
+            return None
+        self._flush_before_eviction()
+        start, end = self.evictable()
+        held, seen = self._held(), self._observed()
+        if not self._evict_due() or end <= start or not seen or not held or seen > held:
+            return None
+        return self.full, self.quant, self.sinks, self._host_obs(), self._scale
+
+    def take_votes(self, mass: np.ndarray | None) -> None:
+        """The votes ``vote_request`` asked for, read by the eviction ``settle`` runs next."""
+        self._given_votes = mass
 
     def _evict(self, n: int) -> None:
         """Drop the ``n`` least-attended middle tokens; each kept key moves back by the number of

@@ -175,3 +175,33 @@ def test_host_scores_evict_as_the_mlx_scores_did(mode, bits, ops, seed):
             assert _close(np.array(b.scores), np.array(a.scores), 1e-4)
         if a._obs is not None:
             assert _close(np.array(b._obs), np.array(a._obs), 1e-4)
+
+
+@pytest.mark.parametrize("mode", ["scored", "scored-quant"])
+def test_a_native_step_settles_every_layers_votes_in_one_map(mode, monkeypatch):
+    """cache.layers.settle asks every layer for its votes first and runs them as one pool map (a layer's
+    3 KV heads on 2 threads left a thread idle): the same tokens evicted, and the same scores, as
+    each layer settled on its own."""
+    from cache.layers import settle
+    from chatapp.backend.kv_native import NativeRowOps
+
+    _, fast = _pair()
+    runs = []
+    for _ in range(2):
+        run = _Run(fast, _settings(mode))
+        run.prefill(list(range(3, 40)))
+        for t in range(8):
+            run.step((5 * t) % 97)
+        run.prefill(list(range(50, 80)))  # past the budget: an eviction is due
+        runs.append(run)
+    assert len(runs[0].caches) > 1 and all(c._pending for c in runs[0].caches)
+    for c in runs[0].caches:
+        c.settle()
+    maps = []
+    real = NativeRowOps.votes_many
+    monkeypatch.setattr(NativeRowOps, "votes_many", lambda self, rs: maps.append(len(rs)) or real(self, rs))
+    settle(runs[1].caches)
+    assert maps == [len(runs[1].caches)]
+    for a, b in zip(*(r.caches for r in runs)):
+        assert b.evicted == a.evicted > 0 and b.last_dropped == a.last_dropped
+        assert np.array_equal(a._scores, b._scores) and b._given_votes is None

@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cache.layers import settle
+
 from .fused_layers import FusedLayer, packed_weights, read_layer, read_norm
 from .fused_positions import LayerAngles, positions, windows
 from .fused_settings import (
@@ -369,8 +371,7 @@ class FusedDecoder:
         from chatapp.kernels.pool import pool
 
         KVH, D = self.n_kv_heads, self.head_dim
-        for c in caches:
-            c.settle()  # quantise or evict what is due before the buffers are read
+        settle(caches)  # quantise or evict what is due before the buffers are read
         n_cached = self._cache_buffers(caches, 1)
         n_quant, q_bits, q_group, scales_like = self._quant_buffers(caches)
         write = self._write_kv
@@ -455,8 +456,7 @@ class FusedDecoder:
 
         T = int(tokens.shape[0])
         KVH, D, L = self.n_kv_heads, self.head_dim, len(self.layers)
-        for c in caches:
-            c.settle()  # quantise or evict what is due before the buffers are read
+        settle(caches)  # quantise or evict what is due before the buffers are read
         emb = self.embed(tokens)
         if self.embed_scale is not None:  # (in the embedding's dtype, as the model's code multiplies)
             emb = emb * mx.array(self.embed_scale, mx.bfloat16).astype(emb.dtype)

@@ -229,42 +229,54 @@ class NativeRowOps:
         """Attention mass per KV head and held token ([kv_heads, held] float32) of ``queries``
         [heads, L, D] (roped; the last L held tokens', causal among themselves), as
         sparsity.attention_mass gives it: the products through numpy's BLAS (MLX's CPU matmul
-        runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s).
+        runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s)."""
+        return self.votes_many([(full, quant, sinks, queries, scale)])[0]
+
+    def votes_many(self, requests: list[tuple]) -> list[np.ndarray | None]:
+        """``votes`` for each (full, quant, sinks, queries, scale) of ``requests`` (None where one
+        declines), every layer's KV heads items of one pool map.
 
         Each KV head (its keys, its queries' scores, their softmax into its mass) is one item of
         the kernel pool's threads, numpy's BLAS on one thread in each: left to its own threads,
         an OpenBLAS whose cores another process holds spun and waited: on the 2-core Xeon with
         other work running, a SmolLM2 eviction's votes (30 layers, 4,352 held) took 0.5-1.5 s,
         against 70-80 ms this way."""
-        found = self._key_rows(full, quant, sinks)
-        if found is None:
-            self._count("votes", False)
-            return None
         from chatapp.kernels.pool import pool
         from chatapp.kernels.softmax_lanes import attention_mass_rows
 
         from .numpy_blas import numpy_blas
 
-        rows, (H, N, D) = found
-        heads, L, _ = queries.shape
-        G = heads // H
+        out: list[np.ndarray | None] = [None] * len(requests)
+        items = []  # (rows, scaled queries [H, G * L, D], mass [H, N], head, N, D, L)
+        for i, (full, quant, sinks, queries, scale) in enumerate(requests):
+            found = self._key_rows(full, quant, sinks)
+            self._count("votes", found is not None)
+            if found is None:
+                continue
+            rows, (H, N, D) = found
+            heads, L, _ = queries.shape
+            q = (queries.astype(np.float32) * np.float32(scale)).reshape(H, heads // H * L, D)
+            out[i] = np.zeros((H, N), np.float32)
+            items += [(rows, q, out[i], h, N, D, L) for h in range(H)]
+        if not items:
+            return out
         work = pool()
-        keys = self._scratch("keys", (work.threads, N, D))
-        scores = self._scratch("scores", (work.threads, G * L, N))
-        q = (queries.astype(np.float32) * np.float32(scale)).reshape(H, G * L, D)
-        mass = np.zeros((H, N), np.float32)
+        keys = self._scratch("keys", (work.threads, max(t[4] * t[5] for t in items)))
+        scores = self._scratch("scores", (work.threads, max(t[1].shape[1] * t[4] for t in items)))
 
-        def head(h: int, worker: int) -> None:
-            rows(h, keys[worker].reshape(-1))
-            np.matmul(q[h], keys[worker].T, out=scores[worker])
+        def head(k: int, worker: int) -> None:
+            rows, q, mass, h, N, D, L = items[k]
+            kw = keys[worker, : N * D]
+            rows(h, kw)
+            sw = scores[worker, : q.shape[1] * N].reshape(q.shape[1], N)
+            np.matmul(q[h], kw.reshape(N, D).T, out=sw)
             # each row's causal softmax, summed into the mass, on 16-lane vectors (numpy's max,
             # exp and sums over these rows had been half of an eviction's votes)
-            attention_mass_rows(scores[worker], N, L, mass[h])
+            attention_mass_rows(sw, N, L, mass[h])
 
         with numpy_blas().single_threaded():
-            work.map(head, H)
-        self._count("votes", True)
-        return mass
+            work.map(head, len(items))
+        return out
 
     def select(self, quant, keep: np.ndarray, deltas: np.ndarray, first: int) -> bool:
         """Keep the middle rows ``keep`` (ascending, middle indices), each moving to its place in
@@ -315,3 +327,4 @@ class NativeRowOps:
         from chatapp.kernels.prefill_step import rope_table
 
         return rope_table(0, int(-deltas.min()) + 1 if len(deltas) else 1, -self.inv_freq)
+

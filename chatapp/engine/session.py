@@ -26,7 +26,7 @@ from cache import (
     model_geometry,
     reserve_tokens,
 )
-from cache.layers import is_ours, uniform
+from cache.layers import is_ours, settle, uniform
 from cache.settings import AUTO, AUTO_STARTS_AS, DIALOG_KNOBS, knob_values, starting_mode
 from chatapp.backend.fused_install import steps_synchronously
 from chatapp.backend.qlinear import last_position_only
@@ -595,6 +595,7 @@ class Session:
         """Cache usage for display (engine/cache_view.py). ``scan_messages`` also works out which
         messages the model no longer sees (it re-tokenises the conversation, so streaming skips it)
         and the attention share; without it the last scan's are shown."""
+        settle(self.caches)  # the maintenance due, every layer's votes at once (usage() would run it layer by layer)
         view = session_view(self, scan_messages, self._first_visible, self._sparsity)
         self._first_visible, self._sparsity = view.first_visible_message, view.attention_sparsity
         return view
