@@ -358,9 +358,9 @@ class ScoredKVCache(SegmentedKVCache):
     # one layer's 3 KV heads on 2 threads left a thread idle a third of the time, and a pool
     # dispatch per layer cost more than one for all 30
     def vote_request(self) -> tuple | None:
-        """What the maintenance now due will ask ``native.votes`` for (full, quant, sinks,
-        queries, scale), after the flushes that come before it; None where no eviction is due or
-        no native row ops serve the cache. ``take_votes`` then hands the answer back."""
+        """What the maintenance now due will ask ``native.votes`` for (native, full, quant,
+        sinks, queries, scale), after the flushes that come before it; None where no eviction is
+        due or no native row ops serve the cache. ``take_votes`` then hands the answer back."""
         if not self._pending or self.native is None:
             return None
         self._flush_before_eviction()
@@ -368,7 +368,7 @@ class ScoredKVCache(SegmentedKVCache):
         held, seen = self._held(), self._observed()
         if not self._evict_due() or end <= start or not seen or not held or seen > held:
             return None
-        return self.full, self.quant, self.sinks, self._host_obs(), self._scale
+        return self.native, self.full, self.quant, self.sinks, self._host_obs(), self._scale
 
     def take_votes(self, mass: np.ndarray | None) -> None:
         """The votes ``vote_request`` asked for, read by the eviction ``settle`` runs next."""

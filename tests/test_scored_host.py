@@ -200,8 +200,13 @@ def test_a_native_step_settles_every_layers_votes_in_one_map(mode, monkeypatch):
     maps = []
     real = NativeRowOps.votes_many
     monkeypatch.setattr(NativeRowOps, "votes_many", lambda self, rs: maps.append(len(rs)) or real(self, rs))
+    ops = {id(c.native): c.native for c in runs[1].caches}  # (layers of one RoPE share theirs)
+    counted = {k: o.done.get("votes", 0) for k, o in ops.items()}
     settle(runs[1].caches)
     assert maps == [len(runs[1].caches)]
+    # each layer's votes counted on its own ops, as when it settled alone
+    assert {k: o.done.get("votes", 0) - counted[k] for k, o in ops.items()} == {
+        k: sum(c.native is o for c in runs[1].caches) for k, o in ops.items()}
     for a, b in zip(*(r.caches for r in runs)):
         assert b.evicted == a.evicted > 0 and b.last_dropped == a.last_dropped
         assert np.array_equal(a._scores, b._scores) and b._given_votes is None

@@ -230,11 +230,11 @@ class NativeRowOps:
         [heads, L, D] (roped; the last L held tokens', causal among themselves), as
         sparsity.attention_mass gives it: the products through numpy's BLAS (MLX's CPU matmul
         runs on its reference BLAS here: SmolLM2's 30 layers at 4,352 tokens took 0.9 s)."""
-        return self.votes_many([(full, quant, sinks, queries, scale)])[0]
+        return self.votes_many([(self, full, quant, sinks, queries, scale)])[0]
 
     def votes_many(self, requests: list[tuple]) -> list[np.ndarray | None]:
-        """``votes`` for each (full, quant, sinks, queries, scale) of ``requests`` (None where one
-        declines), every layer's KV heads items of one pool map.
+        """``votes`` for each (ops, full, quant, sinks, queries, scale) of ``requests`` (None where
+        one declines, counted on its layer's ``ops``), every layer's KV heads items of one pool map.
 
         Each KV head (its keys, its queries' scores, their softmax into its mass) is one item of
         the kernel pool's threads, numpy's BLAS on one thread in each: left to its own threads,
@@ -248,9 +248,9 @@ class NativeRowOps:
 
         out: list[np.ndarray | None] = [None] * len(requests)
         items = []  # (rows, scaled queries [H, G * L, D], mass [H, N], head, N, D, L)
-        for i, (full, quant, sinks, queries, scale) in enumerate(requests):
+        for i, (ops, full, quant, sinks, queries, scale) in enumerate(requests):
             found = self._key_rows(full, quant, sinks)
-            self._count("votes", found is not None)
+            ops._count("votes", found is not None)
             if found is None:
                 continue
             rows, (H, N, D) = found
