@@ -36,9 +36,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .attention import softmax_max_inplace
+from .attention import PREFETCH_BYTES, softmax_max_inplace
 from .group_attention import SLOT, pv_shape
-from .llvm import as_f32
+from .llvm import as_f32, prefetch
 from .microkernels import (
     A_ROWS,
     dots16_u4,
@@ -172,6 +172,12 @@ def attend_quant_split(qg, G, D, quant, q_base, a, b, bits, group_size, scale, s
     if xq.shape[0] > 0 and int_layout(bits, group_size, D):
         quantise_queries(qg, G, D, bits, group_size, scale, xq, qp)
         for i in range(0, n16, 16):
+            # the keys PREFETCH_BYTES ahead and this block's values, which P V reads next (see
+            # group_attention._scores: the hardware prefetchers alone keep too few misses in flight)
+            r0 = (a + i) * P
+            for j in range(0, 16 * P, 64):
+                prefetch(kq, q_base[0] + r0 + PREFETCH_BYTES + j)
+                prefetch(vq, q_base[3] + r0 + j)
             for g in range(G):
                 qscores16(bits, group_size, D, xq, g * 2 * D, kq, q_base[0] + (a + i) * P, P, ks, kb,
                           sk + (a + i) * ng, qp, g * 2 * ng, s, g * L + i)
