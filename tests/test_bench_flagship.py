@@ -79,3 +79,8 @@ def test_flagship_bench_runs_small(tmp_path, monkeypatch, capsys, llama2_tokeniz
     # chatapp on the Q4_0 GGUF (group 32) runs the same numbers as the folder (group 64)
     assert rows["chatapp-gguf"][data["columns"].index("greedy = chatapp")] == "yes"
     assert all(r[3] > 0 for r in data["meta"]["long"]["rows"])
+    # the fused peers' synthetic fills are held as a session holds its K/V, not as the fill's float32
+    from chatapp.backend.fused_settings import resolve_kv_dtype
+
+    for peer in ("chatapp", "chatapp-gguf"):
+        assert {r["kv_dtype"] for run in data["meta"]["runs"][peer] for r in run["long"]} == {resolve_kv_dtype("auto")}
