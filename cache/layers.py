@@ -120,7 +120,7 @@ def trim_reason(caches: Sequence[Any], n: int | None = None) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["foreign", "is_ours", "is_policy", "kinds", "model_layout", "position", "primary", "slides",
+__all__ = ["foreign", "is_ours", "is_policy", "kinds", "model_layout", "position", "primary", "settle", "slides",
            "takes_policy", "trim_reason", "uniform", "untrimmable"]
 
 

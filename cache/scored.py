@@ -354,7 +354,7 @@ class ScoredKVCache(SegmentedKVCache):
         if self._evict_due() and self.quant is not None and self._recent() > (self.window or 0):
             self._flush(self._recent() - (self.window or 0))  # the whole middle is quantised
 
-    # ---- every layer's votes at once (a native step's settle, backend/kv_native.settle_caches):
+    # ---- every layer's votes at once (cache.layers.settle, before a native step and a cache view):
     # one layer's 3 KV heads on 2 threads left a thread idle a third of the time, and a pool
     # dispatch per layer cost more than one for all 30
     def vote_request(self) -> tuple | None:

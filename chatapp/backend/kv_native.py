@@ -327,4 +327,3 @@ class NativeRowOps:
         from chatapp.kernels.prefill_step import rope_table
 
         return rope_table(0, int(-deltas.min()) + 1 if len(deltas) else 1, -self.inv_freq)
-

@@ -37,7 +37,7 @@ at the turn nearest 2,048 conversation tokens (flat); each mode's TTFT per new t
 turn within 1.5x of turn 2's (TTFT follows the new message, not the history); for a mode whose
 cache stops growing (a budget), its TTFT per new token at the last turn within 1.15x of the first
 turn that held as many tokens (flat from there: turn 2 to the budget the tokens each new message
-attends to still grow, 1,137 to 4,142 on SmolLM2's defaults, and so does the prefill's attention);
+attends to still grow, 1,233 to 4,265 in BENCHMARKS.md's run, and so does the prefill's attention);
 window-quant decode >= 1.5x llama.cpp's at the last turn both ran (when llama.cpp ran).
 """
 
