@@ -289,9 +289,7 @@ class ScoredKVCache(SegmentedKVCache):
         """Attention mass per KV head and held token ([kv_heads, held]) from the kept queries,
         which are the last held tokens' (causal among themselves): host float32 where native ops
         give them, else an MLX array."""
-        held = self._held()
-        seen = self._observed()
-        if not seen or not held or seen > held:
+        if not self._voters_ready():
             return None
         if self._given_votes is not None:  # asked for with every layer's (vote_request)
             mass, self._given_votes = self._given_votes, None
@@ -310,6 +308,11 @@ class ScoredKVCache(SegmentedKVCache):
             s = self.sinks
             k = mx.concatenate([k[..., :s, :], mid.astype(k.dtype), k[..., s:, :]], axis=2)
         return attention_mass(self._obs, k, self._scale)
+
+    def _voters_ready(self) -> bool:
+        """Whether kept queries can vote over what is held (some kept, none past the held tokens)."""
+        held, seen = self._held(), self._observed()
+        return bool(seen and held and seen <= held)
 
     def _update_scores(self) -> None:
         votes = self._votes()
@@ -365,8 +368,7 @@ class ScoredKVCache(SegmentedKVCache):
             return None
         self._flush_before_eviction()
         start, end = self.evictable()
-        held, seen = self._held(), self._observed()
-        if not self._evict_due() or end <= start or not seen or not held or seen > held:
+        if not self._evict_due() or end <= start or not self._voters_ready():
             return None
         return self.native, self.full, self.quant, self.sinks, self._host_obs(), self._scale
 

@@ -235,7 +235,6 @@ def _close(llm) -> None:
     close = getattr(llm, "close", None)
     if close is not None:
         close()
-    del llm
     gc.collect()
 
 
