@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .attention import PREFETCH_BYTES, accumulate_full, fast_exp, scores_full, softmax_max_inplace
+from .attention import PREFETCH_BYTES, accumulate_full, fast_exp, scores_full
 from .llvm import as_f32, prefetch
 from .microkernels import (
     A_ROWS,
@@ -34,6 +34,7 @@ from .microkernels import (
     outer4x32,
     outer4x64,
 )
+from .softmax_lanes import softmax_row
 from .views import rows_of
 
 UNITS = 8  # (KV head, key split) units a layer aims for
@@ -142,7 +143,7 @@ def attend_split(qg, G, D, k_cache, k_base, v_cache, v_base, a, b, kr, vn, with_
             for e in range(D):
                 d += qg[g * D + e] * kr[e]
             s[g * L + n] = d * scale
-        mx, tot = softmax_max_inplace(s[g * L:g * L + m])
+        mx, tot = softmax_row(s, g * L, m)
         part[p0 + g * (D + SLOT)] = mx
         part[p0 + g * (D + SLOT) + 1] = tot
     # P V: rows of P (a group of up to 4 heads; zero rows past G) times the value rows, the

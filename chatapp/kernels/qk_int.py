@@ -166,7 +166,7 @@ def int_layout(bits, group_size, D):  # pragma: no cover - jitted
     return (bits == 8 or bits == 4) and (D == 64 and group_size <= 64 or D == 128 and group_size <= 128)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, inline="always")
 def qscores16(bits, group_size, D, x, x_off, k, k_off, k_stride, ks, kb, x0, f, f_off, s,
               s_off):  # pragma: no cover - jitted
     """make_qscores's product for the layout (bits, group_size, D) at run time (int_layout)."""

@@ -164,6 +164,22 @@ def row_exp_sum(typingctx, x, off, n16, top):
 
 
 @njit(fastmath=True, nogil=True, cache=True)
+def softmax_row(x, off, n):  # pragma: no cover - jitted
+    """x[off:off + n] <- exp(x - max) on 16-lane vectors; returns (max, sum): the caller divides
+    (attention.softmax_max_inplace's contract, ~3x faster: its exp loop stays largely scalar)."""
+    n16 = n // 16 * 16
+    top = max16(x[off:], n16) if n16 else x[off]
+    for j in range(n16, n):
+        top = max(top, x[off + j])
+    total = row_exp_sum(x, off, n16, top)
+    for j in range(n16, n):
+        p = fast_exp(x[off + j] - top)
+        x[off + j] = p
+        total += p
+    return top, total
+
+
+@njit(fastmath=True, nogil=True, cache=True)
 def attention_mass_rows(s, N, L, mass):  # pragma: no cover - jitted
     """mass[n] += sum over the rows r of s [R, N] (R = G x L: G query heads x L queries, the
     last L of N tokens, causal among themselves) of softmax(row r)[n]: what each key gets of the
@@ -174,15 +190,7 @@ def attention_mass_rows(s, N, L, mass):  # pragma: no cover - jitted
     for r in range(R):
         seen = N - L + r % L + 1
         base = r * N
-        n16 = seen // 16 * 16
-        top = max16(flat[base:], n16) if n16 else flat[base]
-        for j in range(n16, seen):
-            top = max(top, flat[base + j])
-        total = row_exp_sum(flat, base, n16, top)
-        for j in range(n16, seen):
-            p = fast_exp(flat[base + j] - top)
-            flat[base + j] = p
-            total += p
+        total = softmax_row(flat, base, seen)[1]
         inv = np.float32(1.0) / total
         for j in range(seen):
             mass[j] += flat[base + j] * inv
