@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .int8dot import ISA, V16I, V64B
 from .llvm import F32
-from .microkernels import _F32_1D, _U16_1D, _int_args
+from .microkernels import _F32_1D, _U16_1D, _counted_loop, _int_args
 from .qk_int import INT_SCORES
 from .qk_lanes import HEADS, heads_at
 from .simd import I64, V16F, declare, declare_fma, hreduce, hsum, splat
@@ -157,47 +157,25 @@ def make_pv_block(isa: str, heads: int, ng: int):
             pairs_ = builder.sdiv(builder.add(nb_, ir.Constant(I64, 1)), ir.Constant(I64, 2))
             last = builder.sub(nb_, ir.Constant(I64, 1))
             i32p = _I32.as_pointer()
-            zero = ir.Constant(V16I, [0] * 16)
-            entry = builder.block
-            loop = builder.append_basic_block("pv.loop")
-            done = builder.append_basic_block("pv.done")
-            builder.cbranch(builder.icmp_signed(">", pairs_, ir.Constant(I64, 0)), loop, done)
-            builder.position_at_end(loop)
-            p = builder.phi(I64)
-            p.add_incoming(ir.Constant(I64, 0), entry)
-            phis = []
-            for _ in range(4 * heads):
-                ph = builder.phi(V16I)
-                ph.add_incoming(zero, entry)
-                phis.append(ph)
-            r0 = builder.mul(p, ir.Constant(I64, 2))
-            r1 = builder.add(r0, ir.Constant(I64, 1))
-            r1 = builder.select(builder.icmp_signed(">", r1, last), last, r1)
-            a, b = (_load(builder, va, builder.add(v_off_, builder.mul(r, D_)), V64B) for r in (r0, r1))
-            xs = []  # PERM's vectors 0-3: lo[0:32], lo[32:64], hi[0:32], hi[32:64]
-            for mask in (unpack_lo, unpack_hi):
-                inter = builder.shuffle_vector(a, b, mask)
-                for hm in halves:
-                    xs.append(builder.bitcast(builder.zext(builder.shuffle_vector(inter, inter, hm), _V32S), V16I))
-            new = []
-            for h in range(heads):
-                wp = builder.bitcast(builder.gep(wa.data, [builder.add(ir.Constant(I64, h * BLOCK), r0)]), i32p)
-                wd = splat(builder, builder.load(wp, align=1), V16I)
-                for k in range(4):
-                    new.append(_pair_dot(builder, isa, phis[4 * h + k], xs[k], wd))
-            p_next = builder.add(p, ir.Constant(I64, 1))
-            tail = builder.block
-            p.add_incoming(p_next, tail)
-            for ph, nv in zip(phis, new):
-                ph.add_incoming(nv, tail)
-            builder.cbranch(builder.icmp_signed("<", p_next, pairs_), loop, done)
-            builder.position_at_end(done)
-            outs = []
-            for nv in new:  # (a block's phis come first)
-                ph = builder.phi(V16I)
-                ph.add_incoming(zero, entry)
-                ph.add_incoming(nv, tail)
-                outs.append(ph)
+
+            def pair(p, accs):
+                r0 = builder.mul(p, ir.Constant(I64, 2))
+                r1 = builder.add(r0, ir.Constant(I64, 1))
+                r1 = builder.select(builder.icmp_signed(">", r1, last), last, r1)
+                a, b = (_load(builder, va, builder.add(v_off_, builder.mul(r, D_)), V64B) for r in (r0, r1))
+                xs = []  # PERM's vectors 0-3: lo[0:32], lo[32:64], hi[0:32], hi[32:64]
+                for mask in (unpack_lo, unpack_hi):
+                    inter = builder.shuffle_vector(a, b, mask)
+                    for hm in halves:
+                        xs.append(builder.bitcast(builder.zext(builder.shuffle_vector(inter, inter, hm), _V32S), V16I))
+                new = []
+                for h in range(heads):
+                    wp = builder.bitcast(builder.gep(wa.data, [builder.add(ir.Constant(I64, h * BLOCK), r0)]), i32p)
+                    wd = splat(builder, builder.load(wp, align=1), V16I)
+                    new += [_pair_dot(builder, isa, accs[4 * h + k], xs[k], wd) for k in range(4)]
+                return new
+
+            outs = _counted_loop(builder, pairs_, [ir.Constant(V16I, [0] * 16)] * (4 * heads), pair)
             for h in range(heads):
                 sc = splat(builder, steps[h], V16F)
                 for k in range(4):

@@ -96,6 +96,13 @@ def _group_params(builder: ir.IRBuilder, arr, index, ng: int, half: bool) -> lis
     return out
 
 
+def scores_types(x, k, ks, kb, f, s, ints) -> bool:
+    """Whether a scores intrinsic takes these types: int8 query planes, uint8 key rows, scales and
+    biases of one type (float32 or float16 bits), float32 factors and scores, integer offsets."""
+    arrays = x == _I8_1D and k == _U8_1D and s == _F32_1D and f == _F32_1D and ks == kb and ks in (_F32_1D, _U16_1D)
+    return arrays and all(isinstance(t, types.Integer) for t in ints)
+
+
 def make_qscores(isa: str, bits: int, group_size: int, ng: int):
     """An intrinsic ``qscores(x, x_off, k, k_off, k_stride, ks, kb, x0, f, f_off, s, s_off)``: the
     scores of one query head against 16 key rows of D = ng x group_size elements, in float32 at
@@ -115,10 +122,7 @@ def make_qscores(isa: str, bits: int, group_size: int, ng: int):
 
     @intrinsic
     def qscores(typingctx, x, x_off, k, k_off, k_stride, ks, kb, x0, f, f_off, s, s_off):
-        if not (x == _I8_1D and k == _U8_1D and s == _F32_1D and f == _F32_1D and ks == kb
-                and ks in (_F32_1D, _U16_1D)):
-            return None
-        if not all(isinstance(t, types.Integer) for t in (x_off, k_off, k_stride, x0, f_off, s_off)):
+        if not scores_types(x, k, ks, kb, f, s, (x_off, k_off, k_stride, x0, f_off, s_off)):
             return None
         half = ks == _U16_1D
 

@@ -31,15 +31,13 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from .int8dot import ISA, V16I, V64B, dot_i32_wide
-from .microkernels import _F32_1D, _U16_1D, _int_args
-from .qk_int import INT_SCORES, _group_params
+from .microkernels import _U16_1D, _int_args
+from .qk_int import INT_SCORES, _group_params, scores_types
 from .simd import I64, V16F, declare_fma, splat
 
 GROUP = 64  # the group size served: one group is one 64-byte vector of a row
 HEADS = 4  # query heads per call at most
 CHUNKS = (1, 2)  # head_dim / 64: 64 and 128
-_I8_1D = types.Array(types.int8, 1, "C")
-_U8_1D = types.Array(types.uint8, 1, "C")
 _I32 = ir.IntType(32)
 
 
@@ -75,10 +73,7 @@ def make_qscores_lanes(isa: str, heads: int, chunks: int):
 
     @intrinsic
     def qs(typingctx, x, x_off, k, k_off, ks, kb, x0, f, f_off, s, s_off, L):
-        if not (x == _I8_1D and k == _U8_1D and s == _F32_1D and f == _F32_1D and ks == kb
-                and ks in (_F32_1D, _U16_1D)):
-            return None
-        if not all(isinstance(t, types.Integer) for t in (x_off, k_off, x0, f_off, s_off, L)):
+        if not scores_types(x, k, ks, kb, f, s, (x_off, k_off, x0, f_off, s_off, L)):
             return None
         half = ks == _U16_1D
 
