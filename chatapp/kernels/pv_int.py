@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 from .int8dot import ISA, V16I, V64B
 from .llvm import F32
-from .microkernels import _F32_1D, _U16_1D, _counted_loop, _int_args
+from .microkernels import _F32_1D, _U8_1D, _U16_1D, _counted_loop, _int_args
 from .qk_int import INT_SCORES
 from .qk_lanes import HEADS, heads_at
 from .simd import I64, V16F, declare, declare_fma, hreduce, hsum, splat
@@ -46,7 +46,6 @@ GROUP = 64  # columns a group: one 64-byte vector of a row
 BLOCK = 64  # rows a weight scale: int32 sums of 32 pairs stay below 2^31 (32 x 2 x 255 x 32767)
 WMAX = 32767.0
 _I16_1D = types.Array(types.int16, 1, "C")
-_U8_1D = types.Array(types.uint8, 1, "C")
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _V32S = ir.VectorType(_I16, 32)
