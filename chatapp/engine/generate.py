@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from cache.layers import position
 
 from .events import TurnDone
+from .sampling import HostSampler
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,11 @@ class GenerationSettings:
         # mlx-lm's samplers; top_p of 1.0 means "off" there as 0.0 does.
         top_p = 0.0 if self.top_p >= 1.0 else self.top_p
         return make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+
+    def host_sampler(self) -> HostSampler:
+        """The same rules in numpy, for logits in host memory (sampling.py)."""
+        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
+        return HostSampler(self.temp, top_p, self.min_p, self.top_k, self.seed)
 
     def processors(self) -> list:
         if self.repetition_penalty and self.repetition_penalty != 1.0:
@@ -54,18 +61,27 @@ class TokenPicker:
     hiding them: a hidden token sits in the cache but not in the reply's text, so the next turn's
     rendering would stop matching the cache there), the logits processors (repetition penalty)
     over the recent tokens, then mlx-lm's sampler on the log-probabilities. ``observe``: what
-    decode_tokens calls with each token fed, where processors need the history (else None)."""
+    decode_tokens calls with each token fed, where processors need the history (else None).
 
-    def __init__(self, gen: GenerationSettings, eos_ids, recent: list[int]):
+    ``host``: the logits are in host memory and each step runs synchronously (the fused native
+    step): with no processors, the same rules run in numpy (sampling.HostSampler), ~5 ms a token
+    cheaper than MLX's CPU graph at the default settings."""
+
+    def __init__(self, gen: GenerationSettings, eos_ids, recent: list[int], host: bool = False):
         if gen.seed is not None:
             mx.random.seed(gen.seed)
         self._sampler, self._processors = gen.sampler(), gen.processors()
         self._history = mx.array(recent[-64:]) if self._processors else None
         self._banned = sorted(eos_ids) if gen.ignore_eos else []
         self._ban = None
+        self._host = gen.host_sampler() if host and not self._processors else None
         self.observe = self._observe if self._processors else None
 
     def __call__(self, lg: mx.array) -> mx.array:
+        if self._host is not None:
+            x = np.array(lg, dtype=np.float32).reshape(-1)
+            x[self._banned] = -np.inf
+            return mx.array([self._host(x)], dtype=mx.uint32)
         if self._banned:
             if self._ban is None:
                 self._ban = mx.zeros((lg.shape[-1],), lg.dtype)

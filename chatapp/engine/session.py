@@ -436,15 +436,16 @@ class Session:
         TokenEvents, then TurnDone; the token loop underneath is :func:`generate.decode_tokens`.
         ``t0`` is when the turn started (TTFT counts from it)."""
         gen = self.generation
-        pick = TokenPicker(gen, self.eos_ids, self.cached)
+        # A native decode step (backend.fused_decode) runs inside the model call rather than
+        # lazily: scheduled before a token is read, it would hold that token back by one step.
+        # Its logits are host memory, so the token is picked there too (sampling.py).
+        sync = steps_synchronously(self.model)
+        pick = TokenPicker(gen, self.eos_ids, self.cached, host=sync)
         detok = self.tokenizer.detokenizer
         detok.reset()
         stops = StopMatcher(list(self.format.stop_strings))
         n, finish = 0, "length"
         t_last = None
-        # A native decode step (backend.fused_decode) runs inside the model call rather than
-        # lazily: scheduled before a token is read, it would hold that token back by one step.
-        sync = steps_synchronously(self.model)
         steps = decode_tokens(self.model, self.caches, logits, pick, gen.max_tokens, sync=sync,
                               cancelled=self._cancel.is_set, observe=pick.observe)
         for tok, fed, context in steps:
