@@ -26,15 +26,18 @@ class GenerationSettings:
     repetition_penalty: float = 1.0
     ignore_eos: bool = False  # run to max_tokens: end-of-sequence tokens are never sampled
 
+    @property
+    def _top_p(self) -> float:
+        # top_p of 1.0 means "off" to the samplers as 0.0 does
+        return 0.0 if self.top_p >= 1.0 else self.top_p
+
     def sampler(self) -> Callable[[mx.array], mx.array]:
-        # mlx-lm's samplers; top_p of 1.0 means "off" there as 0.0 does.
-        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
-        return make_sampler(temp=self.temp, top_p=top_p, min_p=self.min_p, top_k=self.top_k)
+        """mlx-lm's sampler for these settings."""
+        return make_sampler(temp=self.temp, top_p=self._top_p, min_p=self.min_p, top_k=self.top_k)
 
     def host_sampler(self) -> HostSampler:
         """The same rules in numpy, for logits in host memory (sampling.py)."""
-        top_p = 0.0 if self.top_p >= 1.0 else self.top_p
-        return HostSampler(self.temp, top_p, self.min_p, self.top_k, self.seed)
+        return HostSampler(self.temp, self._top_p, self.min_p, self.top_k, self.seed)
 
     def processors(self) -> list:
         if self.repetition_penalty and self.repetition_penalty != 1.0:

@@ -94,7 +94,8 @@ def _scores_quant(q, qsum, packed, scales, biases, bits, group_size, scale, s): 
 @njit(fastmath=True, cache=True, nogil=True)
 def softmax_max_inplace(s):  # pragma: no cover - jitted
     """s <- exp(s - max(s)); returns (max, sum): the caller divides once at the end, and a split
-    attention (group_attention.py) merges its parts by their maxima."""
+    attention merges its parts by their maxima (the decode's split units use
+    softmax_lanes.softmax_row, the same contract on 16-lane vectors)."""
     n16 = s.shape[0] // 16 * 16
     m = max16(s, n16) if n16 else s[0]
     for n in range(n16, s.shape[0]):

@@ -40,7 +40,7 @@ from .llvm import F32
 from .microkernels import _F32_1D, _U8_1D, _U16_1D, _counted_loop, _int_args
 from .qk_int import INT_SCORES
 from .qk_lanes import HEADS, heads_at
-from .simd import I64, V16F, declare, declare_fma, hreduce, hsum, splat
+from .simd import I64, V16F, declare, declare_fma, hreduce, hsum, splat, vload
 
 GROUP = 64  # columns a group: one 64-byte vector of a row
 BLOCK = 64  # rows a weight scale: int32 sums of 32 pairs stay below 2^31 (32 x 2 x 255 x 32767)
@@ -73,16 +73,12 @@ def _pair_dot(builder: ir.IRBuilder, isa: str, acc, x, w):
     return builder.add(acc, builder.add(ev, od))
 
 
-def _load(builder: ir.IRBuilder, arr, index, vtype: ir.VectorType):
-    return builder.load(builder.bitcast(builder.gep(arr.data, [index]), vtype.as_pointer()), align=1)
-
-
 def _params(builder: ir.IRBuilder, arr, index, q: int, ng: int, j, half: bool):
     """<16 x float>: rows 16 q .. 16 q + 15's group-j entries (row i's at index + i * ng + j) of a
     scale or bias array (float32, or float16 bits): one load of the rows' 16 ng entries, then a
     shuffle per group and a select on the run-time j."""
     et = ir.IntType(16) if half else F32
-    v = _load(builder, arr, builder.add(index, ir.Constant(I64, 16 * q * ng)), ir.VectorType(et, 16 * ng))
+    v = vload(builder, arr.data, builder.add(index, ir.Constant(I64, 16 * q * ng)), ir.VectorType(et, 16 * ng))
     out = None
     for g in range(ng):
         pick = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16), [i * ng + g for i in range(16)]))
@@ -128,7 +124,8 @@ def make_pv_block(isa: str, heads: int, ng: int):
             steps = []
             for h in range(heads):
                 row = builder.add(s_off_, builder.mul(L_, ir.Constant(I64, h)))
-                ps = [_load(builder, sa, builder.add(row, ir.Constant(I64, 16 * q)), V16F) for q in range(BLOCK // 16)]
+                ps = [vload(builder, sa.data, builder.add(row, ir.Constant(I64, 16 * q)), V16F)
+                      for q in range(BLOCK // 16)]
                 ws = [builder.fmul(p, sc) for p, sc in zip(ps, scs)]
                 m = builder.call(fabs, [ws[0]])
                 for x in ws[1:]:
@@ -161,7 +158,7 @@ def make_pv_block(isa: str, heads: int, ng: int):
                 r0 = builder.mul(p, ir.Constant(I64, 2))
                 r1 = builder.add(r0, ir.Constant(I64, 1))
                 r1 = builder.select(builder.icmp_signed(">", r1, last), last, r1)
-                a, b = (_load(builder, va, builder.add(v_off_, builder.mul(r, D_)), V64B) for r in (r0, r1))
+                a, b = (vload(builder, va.data, builder.add(v_off_, builder.mul(r, D_)), V64B) for r in (r0, r1))
                 xs = []  # PERM's vectors 0-3: lo[0:32], lo[32:64], hi[0:32], hi[32:64]
                 for mask in (unpack_lo, unpack_hi):
                     inter = builder.shuffle_vector(a, b, mask)
@@ -196,12 +193,6 @@ _ISA = ISA if INT_SCORES else "generic"
 _PV = {(h, ng): make_pv_block(_ISA, h, ng) for h in range(2, HEADS + 1) for ng in (1, 2)}
 _pv2a, _pv3a, _pv4a = (_PV[h, 1] for h in range(2, HEADS + 1))
 _pv2b, _pv3b, _pv4b = (_PV[h, 2] for h in range(2, HEADS + 1))
-
-
-@njit(nogil=True, cache=True, inline="always")
-def pv_layout(bits, group_size, D, G):  # pragma: no cover - jitted
-    """Whether pv_lanes serves this middle and query group (see the module's docstring)."""
-    return bits == 8 and group_size == GROUP and (D == 64 or D == 128) and G >= 2
 
 
 @njit(nogil=True, cache=True, inline="always")

@@ -141,7 +141,8 @@ def heads_at(left):  # pragma: no cover - jitted
 
 @njit(nogil=True, cache=True, inline="always")
 def lanes_layout(bits, group_size, D, G):  # pragma: no cover - jitted
-    """Whether qscores_lanes serves this middle and query group (see the module's docstring)."""
+    """Whether qscores_lanes and pv_int.pv_lanes serve this middle and query group (see the
+    module's docstring)."""
     return bits == 8 and group_size == GROUP and (D == 64 or D == 128) and G >= 2
 
 

@@ -22,7 +22,7 @@ With two or more query heads per KV head and 8-bit rows in groups of 64 (SmolLM2
 Mistral at the default kv_group_size), the integer route runs every head of a pass together: the
 scores with the keys in lanes (qk_lanes.py, the same floats as qk_int's) and P V on 16-bit weights
 (pv_int.py). A SmolLM2 unit of 1,024 rows (one thread, called from numba, Xeon): 12 -> 8 ns a row
-in L2, ~16 -> 11 streaming from memory.
+in L2, ~16 -> 11 from a 40 MB set (L3); ~17 from DRAM, half of it waiting for memory.
 
 Until stop 44 each tile of 64 rows was dequantised into float32 scratch (simd.dequant16) and met
 by the float kernels, a conversion and an FMA per element more, twice. Measured on Zen 4 (2 vCPUs,
@@ -61,7 +61,7 @@ from .microkernels import (
     outer_q8_4x32,
     outer_q8_4x64,
 )
-from .pv_int import pv_lanes, pv_layout
+from .pv_int import pv_lanes
 from .qk_int import int_layout, qscores16, quantise_queries
 from .qk_lanes import heads_at, lanes_layout, qscores_lanes
 from .simd import dequant16
@@ -177,9 +177,10 @@ def attend_quant_split(qg, G, D, quant, q_base, a, b, bits, group_size, scale, s
     n16 = n // 16 * 16
     P = D * bits // 8
     ek, sk = q_base[0] * 8 // bits, q_base[1]
+    # on integers, the G heads together: the scores (qk_lanes.py) and P V (pv_int.py)
+    lanes = xq.shape[0] > 0 and lanes_layout(bits, group_size, D, G)
     if xq.shape[0] > 0 and int_layout(bits, group_size, D):
         quantise_queries(qg, G, D, bits, group_size, scale, xq, qp)
-        lanes = lanes_layout(bits, group_size, D, G)  # the G heads together (qk_lanes.py)
         for i in range(0, n16, 16):
             # the keys PREFETCH_BYTES ahead and this block's values, which P V reads next (see
             # group_attention._scores: the hardware prefetchers alone keep too few misses in flight)
@@ -233,7 +234,7 @@ def attend_quant_split(qg, G, D, quant, q_base, a, b, bits, group_size, scale, s
         mx, tot = softmax_row(s, g * L, n)
         part[p0 + g * (D + SLOT)] = mx
         part[p0 + g * (D + SLOT) + 1] = tot
-    if xq.shape[0] > 0 and pv_layout(bits, group_size, D, G):  # P V on integers (pv_int.py)
+    if lanes:
         pv_lanes(G, D, s, L, n, vq, q_base[3] + a * D, vs, vb, q_base[4] + a * ng, o)
         for g in range(G):
             dst = p0 + g * (D + SLOT) + SLOT

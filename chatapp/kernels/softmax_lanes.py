@@ -166,7 +166,8 @@ def row_exp_sum(typingctx, x, off, n16, top):
 @njit(fastmath=True, nogil=True, cache=True)
 def softmax_row(x, off, n):  # pragma: no cover - jitted
     """x[off:off + n] <- exp(x - max) on 16-lane vectors; returns (max, sum): the caller divides
-    (attention.softmax_max_inplace's contract, ~3x faster: its exp loop stays largely scalar)."""
+    (attention.softmax_max_inplace's contract; a row of 1,023 scores on the Xeon, in L1: 0.48 ->
+    0.42 ns an element)."""
     n16 = n // 16 * 16
     top = max16(x[off:], n16) if n16 else x[off]
     for j in range(n16, n):
