@@ -217,6 +217,44 @@ def test_fast_numerics_scores_a_quantised_middle_on_integers(bits):
     assert moved > 0  # the two routes differ in rounding: the integer one ran
 
 
+def test_fast_numerics_prefills_over_an_8bit_middle_on_integers():
+    """numerics fast: a prefill chunk over a moved 8-bit middle runs its scores and its P V over the
+    middle on integers (kernels/chunk_scores_int.py, kernels/pv_prefill_int.py, where the CPU has
+    vpdpbusd); with FAST_ATTN cleared both run on floats, and so did the decode steps before (whose
+    rows the chunk reads). The two chunks' logits agree within what the int8 activations' rounding
+    makes of any change (measured 1.2% of the logits' scale here); a P V gone wrong (its bias term
+    dropped) moved them by 34%."""
+    from dataclasses import replace
+
+    from chatapp.kernels.decode_step import FAST_ATTN
+    from chatapp.kernels.qk_int import INT_SCORES
+    from tests.fused_llama import build_random_llama, install_attention
+
+    if not INT_SCORES:
+        pytest.skip("this CPU has no vpdpbusd: the prefill's attention stays on floats")
+    shape = replace(SHAPE, head_dim=64)
+    runs = []
+    for attn in (True, False):
+        m, _ = build_random_llama(shape, seed=6, quantize_bits=4, group_size=32)
+        mx.eval(m.parameters())
+        install_attention(m)
+        apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype="float16", numerics="fast")
+        dec = m._chatapp_fused
+        if not attn:
+            dec.fast_mask[:] &= ~FAST_ATTN
+            dec.prefill_mask[:] &= ~FAST_ATTN
+        runs.append(_Run(m, _settings("window-quant", 8)))
+    for run in runs:
+        run.prefill(list(range(1, 40)))
+        for t in range(40):
+            run.step(t)
+    c0 = runs[0].caches[0]
+    assert c0.delta_q != 0 and c0.quant.length > 0
+    a, b = (run.prefill(list(range(50, 90))) for run in runs)
+    assert _close(a, b, 2e-2), float(np.abs(a - b).max())
+    assert float(np.abs(a - b).max()) > 0  # the integer route ran
+
+
 def test_scored_votes_come_from_the_fused_steps_queries():
     """The scored caches choose what to evict from their last queries' attention: the fused step
     hands them the roped queries it computed, the same as MLX's route keeps."""

@@ -24,10 +24,14 @@ every block is read by all M queries from L1/L2.
 
 Where the time goes (SmolLM2, 544 tokens after 4,096 cached, one thread on the 2-core Xeon,
 numerics fast, ms a layer): P V 22, softmax 8-12, scores 8, the rest (preparing rows, queries)
-a few. P V runs at the FMA's peak here (72 GMAC/s a core); ``vdpbf16ps`` on bfloat16 pairs was
-tried and measured slower on this Xeon (53 GMAC/s: half the FMA's rate per instruction on
-Sapphire Rapids), and a skip of blocks whose probabilities all lie below e^-14 of the lane's max
-never triggered on real text.
+a few. ``vdpbf16ps`` on bfloat16 pairs was tried for P V and measured slower on this Xeon (53
+GMAC/s against the FMA's 72: half its rate per instruction), and a skip of blocks whose
+probabilities all lie below e^-14 of the lane's max never triggered on real text. Since then
+P V runs on ``outer8x32`` (16 accumulators: with 8, the FMA's latency showed; a 64-row block of
+96 lanes 5.3 -> 4.5 us) and, over an 8-bit middle's rows with numerics fast, on integers: 16-bit
+weights against the stored bytes, two rows a ``vpdpwssd`` (pv_prefill_int.py; such a block 3.4
+us with its weights' rounding). A 544-token chunk after 4,100 cached rows, 3,100 of them in an
+8-bit middle, one thread, one layer: 40-43 -> 37-39 (outer8x32) -> 32-35 ms (and the integers).
 
 The sums run in another order than the per-query kernel (and the softmax's max moves per
 block), so results equal it to float32 rounding, not bit for bit.
@@ -43,7 +47,8 @@ from .chunk_scores_int import quantise_key_rows, quantise_query_lane, scores4x32
 from .decode_step import apply_rope, head_norm, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
-from .microkernels import A_ROWS, outer4x32
+from .microkernels import A_ROWS, outer4x32, outer8x32
+from .pv_prefill_int import MAX_ROWS, middle_pv, value_pairs
 from .quant_split import dequant_rows
 from .softmax_lanes import lanes_exp, lanes_max, lanes_scale
 
@@ -51,22 +56,25 @@ LANES = 32  # query lanes per micro-kernel call: two 16-float vectors
 QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
 KBLOCK = 64  # key rows per block: S^T [64, M] and the K/V blocks stay in L2 (7B: M = 32, D = 128)
 _NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a NaN
+assert KBLOCK <= MAX_ROWS  # a block's integer P V sums stay within int32 (pv_prefill_int.py)
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits, q_group,
-                rot, cos_u, sin_u, traditional):  # pragma: no cover - jitted
+                rot, cos_u, sin_u, traditional, mid_values):  # pragma: no cover - jitted
     """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [quantised middle | cache rows | chunk
     rows] as float32, rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads
     4 key rows). The middle's rows (n_quant of them, MLX's affine layout in ``quant``, this head's
     from element ``q_base[i]`` of each buffer) are dequantised here and their keys turned by
     cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives);
-    softmax is order-free, so they need not sit between the sinks and the window as in sequence."""
+    softmax is order-free, so they need not sit between the sinks and the window as in sequence.
+    ``mid_values`` False: the middle's values are left out of vb (P V reads them as integers)."""
     kq, ks, kbias, vq, vs, vbias = quant
     mq = max(0, min(n0 + nb, n_quant) - n0)  # the block's rows in the middle: its first ones
     if mq:
         dequant_rows(kq, ks, kbias, q_base[0], q_base[1], n0, mq, q_bits, q_group, D, kb)
-        dequant_rows(vq, vs, vbias, q_base[3], q_base[4], n0, mq, q_bits, q_group, D, vb)
+        if mid_values:
+            dequant_rows(vq, vs, vbias, q_base[3], q_base[4], n0, mq, q_bits, q_group, D, vb)
         if rot:
             for i in range(mq):
                 apply_rope(kb[i * D:(i + 1) * D], cos_u, sin_u, traditional)
@@ -128,7 +136,7 @@ def _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D,
 @njit(fastmath=True, nogil=True, cache=True)
 def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, q_from=0, int_scores=False, window=0):  # pragma: no cover - jitted
+                    cos_u, sin_u, qk_norm, eps, q_from=0, int_scores=False, window=0, int_pv=False):  # pragma: no cover
     """attn[t, h] = softmax over the n_cached cached rows and the chunk's rows 0..t of
     scale * rope(q[t, h]) . rope(k), times V: claims of (KV head, QBLOCK tokens) in ``phase``,
     ending at its barrier. q [T, heads * D], k_raw / v_new [T, kv_heads * D] float32 (keys
@@ -150,7 +158,8 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     ``window`` positions only (the cache rows are the last ones before the chunk, cache/sliding.py),
     the key blocks wholly before a claim's first window skipped. ``int_scores``: S^T on integers
     (chunk_scores_int: each block's key rows as bytes, the query lanes as int8), numerics fast's
-    choice where the CPU has vpdpbusd; else on floats."""
+    choice where the CPU has vpdpbusd; else on floats. ``int_pv``: P V over an 8-bit middle's rows on
+    integers (pv_prefill_int.py; the window's and the chunk's rows on floats)."""
     T = q.shape[0]
     D = cos.shape[1] * 2
     G = n_heads // n_kv_heads
@@ -185,6 +194,16 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
     run_max = np.empty(M, np.float32)
     run_sum = np.empty(M, np.float32)
     n_full = n_cached - n_quant  # the cache buffers' rows
+    D8 = D // 8 * 8  # P V's columns in calls of 8 (then of 4)
+    # the middle's values as int16 row pairs with their scales, and one block's integer weights
+    n_int = n_quant if int_pv and q_bits == 8 and D % q_group == 0 else 0
+    ng = D // q_group
+    vp = np.empty((n_int + 1) // 2 * D, np.int32)
+    vsc = np.empty(n_int * ng, np.float32)
+    vbi = np.empty(n_int * ng, np.float32)
+    wp = np.empty((1 if n_int else 0) * KBLOCK // 2 * M, np.int32)
+    lsp = np.empty(M, np.float32)
+    lbp = np.empty(M, np.float32)
     q_base = np.empty(6, np.int64)
     rot = False
     for e in range(sin_u.shape[0]):
@@ -257,7 +276,11 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                 nb = min(KBLOCK, n_keys - n0)
                 k_at = 0 if int_scores else n0 * D
                 _fill_block(kc, vc, n_cached, kr, v_new, kh * D, n0, nb, D, kb[k_at:], vb[n0 * D:], quant, q_base,
-                            n_quant, q_bits, q_group, rot, cos_u, sin_u, traditional)
+                            n_quant, q_bits, q_group, rot, cos_u, sin_u, traditional, n_int == 0)
+                mi = max(0, min(nb, n_int - n0))
+                if mi:
+                    value_pairs(quant[3], quant[4], quant[5], q_base[3], q_base[4], n0, mi, D, ng, n_int - 1, vp,
+                                vsc, vbi)
                 if int_scores:
                     quantise_key_rows(kb, (nb + A_ROWS - 1) // A_ROWS * A_ROWS, D, k8[n0 * D:], ksc[n0:], kbi[n0:])
             prep_rows = n_keys
@@ -275,9 +298,15 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                     for i in range(n0, n0 + nb4, A_ROWS):
                         outer4x32(kb, i * D, D, 1, qt, mc, M, st, (i - n0) * M + mc, M, D, 0)
             _softmax_block(st, nb, M, n_cached, n0, t0, lane_t, run_max, run_sum, ot, D, window)
-            for mc in range(0, M, LANES):
-                for e in range(0, D, A_ROWS):
-                    outer4x32(vb, n0 * D + e, 1, D, st, mc, M, ot, e * M + mc, M, nb, 1)
+            mi = max(0, min(nb, n_int - n0))  # the block's middle rows: on integers
+            if mi:
+                middle_pv(st, mi, M, ot, D, q_group, vp, n0, vsc, vbi, wp, lsp, lbp)
+            if nb > mi:
+                for mc in range(0, M, LANES):
+                    for e in range(0, D8, 8):
+                        outer8x32(vb, (n0 + mi) * D + e, 1, D, st, mi * M + mc, M, ot, e * M + mc, M, nb - mi, 1)
+                    for e in range(D8, D, A_ROWS):
+                        outer4x32(vb, (n0 + mi) * D + e, 1, D, st, mi * M + mc, M, ot, e * M + mc, M, nb - mi, 1)
         for g in range(G):
             h = kh * G + g
             for i in range(max(0, q_from - t0), t_end - t0):

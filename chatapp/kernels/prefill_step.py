@@ -358,7 +358,7 @@ def prefill_layer(ctl, x, attn_norm, mlp_norm, eps, wq, wk, wv, wo, wg, wu, wd, 
     int_scores = (fast & FAST_ATTN) != 0 and INT_SCORES
     chunk_attention(ctl, 1, q, k_raw, v_new, cos, sin, traditional, n_heads, n_kv_heads, k_cache, k_stride,
                     v_cache, v_stride, n_cached, scale, k_out, v_out, attn, quant, q_stride, n_quant, q_bits, q_group,
-                    cos_u, sin_u, qk_norm, eps, t1, int_scores, window)
+                    cos_u, sin_u, qk_norm, eps, t1, int_scores, window, int_scores)
 
     # from here on the rows t1 .. T - 1 alone (all of them but in a chunk's last layer)
     Tn = T - t1
