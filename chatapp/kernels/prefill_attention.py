@@ -43,7 +43,8 @@ import numpy as np
 from numba import njit
 
 from .attention import fast_exp, head_rows
-from .chunk_scores_int import quantise_key_rows, quantise_query_lane, scores4x32, zero_query_lane
+from .chunk_scores_int import ROWS as K_ROWS
+from .chunk_scores_int import quantise_key_rows, quantise_query_lane, scores8x32, zero_query_lane
 from .decode_step import apply_rope, head_norm, phase_barrier, phase_claim, phase_done
 from .half import store_f32
 from .llvm import as_f32
@@ -57,13 +58,14 @@ QBLOCK = 32  # chunk tokens per claim: M = G x QBLOCK lanes, a multiple of LANES
 KBLOCK = 64  # key rows per block: S^T [64, M] and the K/V blocks stay in L2 (7B: M = 32, D = 128)
 _NEG = np.float32(-1e30)  # a masked score: fast_exp clamps it to ~0, never a NaN
 assert KBLOCK <= MAX_ROWS  # a block's integer P V sums stay within int32 (pv_prefill_int.py)
+assert KBLOCK % K_ROWS == 0 and K_ROWS % A_ROWS == 0  # the integer scores' rows stay inside a block
 
 
 @njit(fastmath=True, nogil=True, cache=True)
 def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_base, n_quant, q_bits, q_group,
                 rot, cos_u, sin_u, traditional, mid_values):  # pragma: no cover - jitted
     """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [quantised middle | cache rows | chunk
-    rows] as float32, rows nb .. up to the next multiple of A_ROWS zeroed (the micro-kernel reads
+    rows] as float32, rows nb .. up to the next multiple of K_ROWS zeroed (the micro-kernels read
     4 key rows). The middle's rows (n_quant of them, MLX's affine layout in ``quant``, this head's
     from element ``q_base[i]`` of each buffer) are dequantised here and their keys turned by
     cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives);
@@ -92,8 +94,8 @@ def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_
                 kb[i * D + e] = kr[j, e]
             for e in range(D):
                 vb[i * D + e] = v_new[j, v_col + e]
-    nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
-    for i in range(nb * D, nb4 * D):
+    nb8 = (nb + K_ROWS - 1) // K_ROWS * K_ROWS
+    for i in range(nb * D, nb8 * D):
         kb[i] = 0.0
         vb[i] = 0.0
 
@@ -282,16 +284,17 @@ def chunk_attention(ctl, phase, q, k_raw, v_new, cos, sin, traditional, n_heads,
                     value_pairs(quant[3], quant[4], quant[5], q_base[3], q_base[4], n0, mi, D, ng, n_int - 1, vp,
                                 vsc, vbi)
                 if int_scores:
-                    quantise_key_rows(kb, (nb + A_ROWS - 1) // A_ROWS * A_ROWS, D, k8[n0 * D:], ksc[n0:], kbi[n0:])
+                    quantise_key_rows(kb, (nb + K_ROWS - 1) // K_ROWS * K_ROWS, D, k8[n0 * D:], ksc[n0:], kbi[n0:])
             prep_rows = n_keys
         k_lo = n_cached + t0 - window + 1 if window > 0 else 0  # the claim's first query's first key
         for n0 in range(max(0, k_lo) // KBLOCK * KBLOCK, n_keys, KBLOCK):
             nb = min(KBLOCK, n_keys - n0)
             nb4 = (nb + A_ROWS - 1) // A_ROWS * A_ROWS
-            if int_scores:
+            nb8 = (nb + K_ROWS - 1) // K_ROWS * K_ROWS
+            if int_scores:  # (the rows past nb up to K_ROWS are zeros, their scores never read)
                 for mc in range(0, M, LANES):
-                    for i in range(n0, n0 + nb4, A_ROWS):
-                        scores4x32(k8, i * D, i, ksc, kbi, qx, 4 * mc, 4 * M, D // 4, lsc, lsu, mc, st,
+                    for i in range(n0, n0 + nb8, K_ROWS):
+                        scores8x32(k8, i * D, i, ksc, kbi, qx, 4 * mc, 4 * M, D // 4, lsc, lsu, mc, st,
                                    (i - n0) * M + mc, M)
             else:
                 for mc in range(0, M, LANES):

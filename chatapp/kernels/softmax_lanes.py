@@ -75,11 +75,23 @@ def lanes_max(typingctx, s, n, M, mx):
         n_, M_ = _int_args(context, builder, signature, args, (1, 2))
         vmax = declare(builder.module, "llvm.maxnum.v16f32", ir.FunctionType(V16F, [V16F, V16F]))
 
+        def load(i, lane):
+            return _vload_f32(builder, sa.data, builder.add(builder.mul(i, M_), lane), "f32")
+
         def chunk(lane):
-            def row(i, accs):
-                v = _vload_f32(builder, sa.data, builder.add(builder.mul(i, M_), lane), "f32")
-                return [builder.call(vmax, [accs[0], v])]
-            (acc,) = _counted_loop(builder, n_, [_vload_f32(builder, ma.data, lane, "f32")], row)
+            # rows in pairs, two chains (one alone waited on vmaxps' latency: 64 x 96 0.44 -> 0.2 us)
+            def pair(j, accs):
+                i = builder.mul(j, ir.Constant(I64, 2))
+                return [builder.call(vmax, [accs[k], load(builder.add(i, ir.Constant(I64, k)), lane)])
+                        for k in range(2)]
+            top = _vload_f32(builder, ma.data, lane, "f32")
+            even, odd = _counted_loop(builder, builder.sdiv(n_, ir.Constant(I64, 2)), [top, top], pair)
+            acc = builder.call(vmax, [even, odd])
+            last = builder.sub(n_, ir.Constant(I64, 1))
+            has_odd = builder.icmp_signed("!=", builder.srem(n_, ir.Constant(I64, 2)), ir.Constant(I64, 0))
+            # an odd n's last row: read at max(n - 1, 0) (in range whenever n > 0) and kept only then
+            safe = builder.select(builder.icmp_signed(">", last, ir.Constant(I64, 0)), last, ir.Constant(I64, 0))
+            acc = builder.select(has_odd, builder.call(vmax, [acc, load(safe, lane)]), acc)
             _store(builder, ma.data, lane, acc)
         _lane_chunks(builder, M_, chunk)
         return context.get_dummy_value()
