@@ -15,6 +15,7 @@ import mlx.nn as nn
 from .fused_decode import FusedDecoder
 from .fused_settings import KV_MX, kv_dtype_line, numerics_line, resolve_numerics
 from .fused_support import cache_refusal, fused_unsupported
+from .precompile import maintenance_cached, run_policies
 from .qlinear import last_position_wanted
 
 _FUSED_CLASSES: dict[type, type] = {}
@@ -52,14 +53,21 @@ def install_fused_decode(model: nn.Module, warm_up: bool = True, numerics: str =
     disk cache) the layer kernel does not land in the first reply. before_prefill: with
     warm_up, the decode step is warmed first, then this is called (it waits for the process
     compiling the prefill kernel into numba's disk cache meanwhile: precompile.py), then the
-    prefill, which loads what that process left."""
+    prefill, which loads what that process left. Where numba's disk cache lacks the cache
+    maintenance kernels (a first start, or new kernel source), warm_up also runs the evicting
+    policies' caches through a few dozen tokens (precompile.run_policies): compiled here, under
+    the warm-up's notice, they no longer land in the turn that first quantises or evicts (on
+    bench long's chat, +1.9 s and +2.2 s to those turns' first token)."""
     why = fused_unsupported(model)
     if why:
         return f"fused decode: off ({why})"
     numerics = resolve_numerics(numerics)
     dec = FusedDecoder(model, numerics, kv_dtype)
     if warm_up:
-        dec.first_layers(1).warm_up(before_prefill)
+        first = dec.first_layers(1)
+        first.warm_up(before_prefill)
+        if not maintenance_cached():
+            run_policies(model, first)
     object.__setattr__(model, "_chatapp_fused", dec)
     if not getattr(type(model), "_chatapp_base", None):
         model.__class__ = _fused_class(type(model))

@@ -10,6 +10,12 @@ which this process then loads it in well under a second. The child runs only whe
 holds no ``prefill_step`` for this CPU (a first start, or a new numba or source) and the process
 may use a second core. It is a speed-up only: if it fails, this process compiles the kernel
 itself, as before.
+
+The child then runs a few dozen tokens through each evicting policy's caches, so that the cache
+maintenance kernels (kernels/kv_rows.py: flushing rows into the quantised middle, evicting,
+turning kept keys, a scored cache's votes) land in the disk cache too. Left to the session, they
+compiled where it first quantised and first evicted: on a cold cache bench long's window-quant and
+scored-quant turns 3 and 8 waited +1.9 and +2.2 s for their first token.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ from dataclasses import asdict, dataclass
 # the tiny model the child compiles on: the kernels' smallest legal widths (multiples of 64)
 _TINY = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
              intermediate_size=256, vocab_size=64, rms_norm_eps=1e-5, rope_theta=10000.0)
+# the policies whose maintenance the child runs (scored without quantising shares scored-quant's
+# kernels), on settings small enough that a few dozen tokens flush, evict and re-rotate (groups of
+# 32 divide every head_dim the fused route serves; the kernels' types do not depend on it)
+MAINTAINED = ("window", "window-quant", "scored-quant")
+_SMALL = dict(sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16, kv_group_size=32)
 
 
 @dataclass(frozen=True)
@@ -42,18 +53,31 @@ def prefill_types(layer, numerics: str, kv_dtype: str) -> PrefillTypes:
                         resolve_numerics(numerics))
 
 
+def kernel_cached(kernel) -> bool:
+    """Whether numba's disk cache holds ``kernel`` (a cached njit function) compiled for this
+    CPU (any signature) and for the source as it is: its index (numba drops a stale one) has an
+    entry with this machine's codegen key. Unknown (a numba internal that moved) counts as
+    cached: nothing is compiled ahead then."""
+    try:
+        magic = kernel.targetctx.codegen().magic_tuple()
+        return any(key[1] == magic for key in kernel._cache._cache_file._load_index())
+    except Exception:  # noqa: BLE001 - numba internals: any change means "do not compile ahead"
+        return True
+
+
 def prefill_cached() -> bool:
-    """Whether numba's disk cache holds a ``prefill_step`` compiled for this CPU (any
-    signature) and for the source as it is: its index (numba drops a stale one) has an entry
-    with this machine's codegen key. Unknown (a numba internal that moved) counts as cached:
-    no child then."""
+    """Whether numba's disk cache holds a ``prefill_step`` for this CPU and source."""
     from chatapp.kernels.prefill_step import prefill_step
 
-    try:
-        magic = prefill_step.targetctx.codegen().magic_tuple()
-        return any(key[1] == magic for key in prefill_step._cache._cache_file._load_index())
-    except Exception:  # noqa: BLE001 - numba internals: any change means "do not start a child"
-        return True
+    return kernel_cached(prefill_step)
+
+
+def maintenance_cached() -> bool:
+    """Whether numba's disk cache holds the cache maintenance kernels (one stands for all:
+    run_policies compiles them together)."""
+    from chatapp.kernels.kv_rows import flush_rows, rotate_rows
+
+    return kernel_cached(flush_rows) and kernel_cached(rotate_rows)
 
 
 def start_prefill_compile(types: PrefillTypes) -> subprocess.Popen | None:
@@ -108,6 +132,31 @@ def compile_prefill(types: PrefillTypes) -> None:
     dec = FusedDecoder(model, types.numerics, types.kv_dtype)
     caches = [PreallocKVCache(CacheSettings()) for _ in dec.layers]
     dec.prefill(mx.array([0, 0]), caches)
+    run_policies(model, dec)
+
+
+def run_policies(model, dec) -> None:
+    """Prefill 64 tokens in evict_chunk steps, then decode 16, through each MAINTAINED policy's
+    caches for ``dec``'s layers (the first of ``model``'s, or all) on the fused route: every
+    maintenance kernel a session reaches runs once. A model whose layers take no such cache
+    (CacheConfigError) has nothing to run."""
+    import mlx.core as mx
+
+    from cache import CacheConfigError, CacheSettings
+    from cache.factory import make_caches
+
+    for mode in MAINTAINED:
+        settings = CacheSettings(mode=mode, **_SMALL)
+        try:
+            caches = make_caches(model, settings)[:len(dec.layers)]
+        except CacheConfigError:
+            return
+        for start in range(0, 64, settings.evict_chunk):
+            dec.prefill(mx.array(list(range(start, start + settings.evict_chunk))), caches)
+        for t in range(16):
+            dec.step(t, caches)
+        del caches
+    mx.clear_cache()
 
 
 def main(argv: list[str]) -> int:
