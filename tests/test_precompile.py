@@ -120,7 +120,10 @@ def test_the_warm_up_runs_the_policies_maintenance_where_numba_lacks_it(cached, 
 
     monkeypatch.setattr(NativeRowOps, "_count", counting)
     monkeypatch.setattr(fused_install, "maintenance_cached", lambda: cached)
-    fused_install.install_fused_decode(small_llama(), warm_up=True, kv_dtype="float16")
+    model = small_llama()
+    fused_install.install_fused_decode(model, warm_up=True, kv_dtype="float16")
+    ops = model._chatapp_fused.row_ops
+    assert not ops.done and not ops.declined  # what --verbose reports: the session's own, none yet
     if cached:
         assert not done
         return
