@@ -179,25 +179,18 @@ def test_a_decode_step_reads_the_quantised_middle_in_place(mode, monkeypatch):
     assert steps == list(range(5))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_fast_numerics_scores_a_quantised_middle_on_integers(bits):
-    """numerics fast: the middle's scores run on 16-bit query planes (kernels/qk_int.py, where the
-    CPU has vpdpbusd); with the bit cleared they run on floats. The two agree bit for bit until
-    the middle holds rows; then within what the int8 activations' rounding makes of any change
-    (fast against exact numerics differ by ~2% of the logits' scale here): a score gone wrong
-    (a missing bias, a wrong row) moves them by their whole scale."""
+def _fast_pair(seed: int, prefill: bool) -> list:
+    """The same random model (head_dim 64: a layout the integer kernels serve) twice on numerics
+    fast: the middle's decode scores on integers, then with FAST_ATTN cleared (and with
+    ``prefill``, the prefill's attention too, both products)."""
     from dataclasses import replace
 
     from chatapp.kernels.decode_step import FAST_ATTN
-    from chatapp.kernels.qk_int import INT_SCORES
     from tests.fused_llama import build_random_llama, install_attention
 
-    if not INT_SCORES:
-        pytest.skip("this CPU has no vpdpbusd: the middle's scores stay on floats")
-    shape = replace(SHAPE, head_dim=64)  # a layout qk_int serves (D 64, groups of 32 and 64)
-    runs = []
+    models = []
     for attn in (True, False):
-        m, _ = build_random_llama(shape, seed=5, quantize_bits=4, group_size=32)
+        m, _ = build_random_llama(replace(SHAPE, head_dim=64), seed=seed, quantize_bits=4, group_size=32)
         mx.eval(m.parameters())
         install_attention(m)
         apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype="float16", numerics="fast")
@@ -205,7 +198,25 @@ def test_fast_numerics_scores_a_quantised_middle_on_integers(bits):
         assert all(f & FAST_ATTN for f in dec.fast_mask[:-1])
         if not attn:
             dec.fast_mask[:] &= ~FAST_ATTN
-        runs.append(_Run(m, _settings("window-quant", bits).with_(kv_group_size=64)))
+            if prefill:
+                dec.prefill_mask[:] &= ~FAST_ATTN
+        models.append(m)
+    return models
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fast_numerics_scores_a_quantised_middle_on_integers(bits):
+    """numerics fast: the middle's scores run on 16-bit query planes (kernels/qk_int.py, where the
+    CPU has vpdpbusd); with the bit cleared they run on floats. The two agree bit for bit until
+    the middle holds rows; then within what the int8 activations' rounding makes of any change
+    (fast against exact numerics differ by ~2% of the logits' scale here): a score gone wrong
+    (a missing bias, a wrong row) moves them by their whole scale."""
+
+    from chatapp.kernels.qk_int import INT_SCORES
+
+    if not INT_SCORES:
+        pytest.skip("this CPU has no vpdpbusd: the middle's scores stay on floats")
+    runs = [_Run(m, _settings("window-quant", bits).with_(kv_group_size=64)) for m in _fast_pair(5, prefill=False)]
     for run in runs:
         run.prefill(list(range(1, 17)))
     moved = 0.0
@@ -224,26 +235,11 @@ def test_fast_numerics_prefills_over_an_8bit_middle_on_integers():
     rows the chunk reads). The two chunks' logits agree within what the int8 activations' rounding
     makes of any change (measured 1.2% of the logits' scale here); a P V gone wrong (its bias term
     dropped) moved them by 34%."""
-    from dataclasses import replace
-
-    from chatapp.kernels.decode_step import FAST_ATTN
     from chatapp.kernels.qk_int import INT_SCORES
-    from tests.fused_llama import build_random_llama, install_attention
 
     if not INT_SCORES:
         pytest.skip("this CPU has no vpdpbusd: the prefill's attention stays on floats")
-    shape = replace(SHAPE, head_dim=64)
-    runs = []
-    for attn in (True, False):
-        m, _ = build_random_llama(shape, seed=6, quantize_bits=4, group_size=32)
-        mx.eval(m.parameters())
-        install_attention(m)
-        apply_fast_path(m, backend="cpu", warm_up=False, kv_dtype="float16", numerics="fast")
-        dec = m._chatapp_fused
-        if not attn:
-            dec.fast_mask[:] &= ~FAST_ATTN
-            dec.prefill_mask[:] &= ~FAST_ATTN
-        runs.append(_Run(m, _settings("window-quant", 8)))
+    runs = [_Run(m, _settings("window-quant", 8)) for m in _fast_pair(6, prefill=True)]
     for run in runs:
         run.prefill(list(range(1, 40)))
         for t in range(40):
