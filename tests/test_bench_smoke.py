@@ -236,3 +236,16 @@ def test_bench_longs_flat_ttft_target_reads_the_turns_at_the_budget():
                                   ["window-quant", "scored-quant", "prealloc"])}
     assert got["window-quant/flat"] is True and got["scored-quant/flat"] is False
     assert got["prealloc/flat"] is None
+
+
+def test_start_variants_keep_a_name_that_holds_a_comma():
+    """``--variants`` is a comma list, and one variant's name holds a comma: it had been refused."""
+    import argparse
+
+    from chatapp.bench.start_bench import _variants
+
+    assert _variants("first start, one process,later start") == ["first start, one process", "later start"]
+    assert _variants("first start,first start, one process") == ["first start", "first start, one process"]
+    assert _variants("later start") == ["later start"]
+    with pytest.raises(argparse.ArgumentTypeError):
+        _variants("first start, two processes")

@@ -56,7 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _variants(text: str) -> list[str]:
-    out = [v.strip() for v in text.split(",") if v.strip()]
+    """The comma list's variants; a name that holds a comma itself ("first start, one process")
+    is one variant where its pieces stand together in the list."""
+    pieces = [v.strip() for v in text.split(",") if v.strip()]
+    out: list[str] = []
+    while pieces:
+        pair = ", ".join(pieces[:2])
+        take = 2 if len(pieces) > 1 and pair in VARIANTS else 1
+        out.append(pair if take == 2 else pieces[0])
+        pieces = pieces[take:]
     bad = [v for v in out if v not in VARIANTS]
     if bad or not out:
         raise argparse.ArgumentTypeError(f"unknown variant(s) {bad}; choose from {', '.join(VARIANTS)}")
