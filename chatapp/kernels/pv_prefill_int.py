@@ -13,7 +13,7 @@ P [n, m] x s_ng (the row's value scale folded in, which MLX's rows may hold nega
 to 16-bit integers against the lane's largest magnitude in the block (``quantise_weights``), two
 rows' weights interleaved in a dword per lane; the values are the stored bytes widened to 16 bits,
 two rows interleaved per column (``value_pairs``, once per KV head and thread, as the float path
-dequantises once). ``pairs4x32`` then sums int32 products over the block's row pairs and adds
+dequantises once). ``pairs8x32`` then sums int32 products over the block's row pairs and adds
 float(sum) x the lane's step plus the lane's bias term, sum_n P [n, m] b_ng (the same for every
 column of the group), to O^T. The rounding is at most half a step, 1/65,534 of the lane's largest
 weight in the block: far below the values' own 8-bit steps. The int32 sums stay below 2^31 (64
@@ -54,11 +54,11 @@ _I32_1D = types.Array(types.int32, 1, "C")
 _I32 = ir.IntType(32)
 
 
-def make_pairs(isa: str, rows: int = 4):
-    """``pairs4x32(a, a_off, a_sp, b, b_off, b_sp, c, c_off, c_si, n_pairs, lsc, lbi, l_off)``:
+def make_pairs(isa: str, rows: int):
+    """``pairs(a, a_off, a_sp, b, b_off, b_sp, c, c_off, c_si, n_pairs, lsc, lbi, l_off)``:
 
         c[c_off + i c_si + l] += float(sum_{p < n_pairs} a[a_off + p a_sp + i] . b[b_off + p b_sp + l])
-                                 x lsc[l_off + l] + lbi[l_off + l]        for i < 4, l < 32
+                                 x lsc[l_off + l] + lbi[l_off + l]        for i < ``rows``, l < 32
 
     where "." is the sum of the products of two int16 pairs packed in an int32 (``vpdpwssd``)."""
 
@@ -106,8 +106,7 @@ def make_pairs(isa: str, rows: int = 4):
     return pairs
 
 
-pairs4x32 = make_pairs(ISA if INT_SCORES else "generic")
-pairs8x32 = make_pairs(ISA if INT_SCORES else "generic", 8)
+pairs8x32 = make_pairs(ISA if INT_SCORES else "generic", ROWS)
 
 
 @intrinsic
@@ -144,7 +143,7 @@ def value_pairs(vq, vs, vbias, p_base, s_base, r0, n, D, ng, last, vp, vsc, vbi)
     vq[p_base], its groups' scales and biases, float32 or float16 bits, from s_base) as int16
     pairs: vp[(r // 2) D + e] (int32) holds row r's byte e (r even) in its low half and row r + 1's
     in its high half; a pair's second row past ``last`` (the middle's final row) repeats the first
-    (pairs4x32 meets it with a weight of 0). vsc / vbi[r ng + g]: row r's group-g scale and bias."""
+    (pairs8x32 meets it with a weight of 0). vsc / vbi[r ng + g]: row r's group-g scale and bias."""
     for r in range(r0, r0 + n, 2):
         interleave_rows(vq, p_base + r * D, p_base + min(r + 1, last) * D, vp, (r // 2) * D, D)
     for r in range(r0, r0 + n):
