@@ -179,6 +179,16 @@ def test_a_decode_step_reads_the_quantised_middle_in_place(mode, monkeypatch):
     assert steps == list(range(5))
 
 
+def _past_evictions(runs: list, checked: "_Run") -> None:
+    """Each run prefills 39 tokens and decodes 40 more: past several evictions, so that ``checked``'s
+    quantised middle holds rows and has moved (a rotation delta not 0)."""
+    for r in runs:
+        r.prefill(list(range(1, 40)))
+        for t in range(40):
+            r.step(t)
+    c0 = checked.caches[0]
+    assert c0.delta_q != 0 and c0.quant.length > 0
+
 def _fast_pair(seed: int, prefill: bool) -> list:
     """The same random model (head_dim 64: a layout the integer kernels serve) twice on numerics
     fast: the middle's decode scores on integers, then with FAST_ATTN cleared (and with
@@ -240,12 +250,7 @@ def test_fast_numerics_prefills_over_an_8bit_middle_on_integers():
     if not INT_SCORES:
         pytest.skip("this CPU has no vpdpbusd: the prefill's attention stays on floats")
     runs = [_Run(m, _settings("window-quant", 8)) for m in _fast_pair(6, prefill=True)]
-    for run in runs:
-        run.prefill(list(range(1, 40)))
-        for t in range(40):
-            run.step(t)
-    c0 = runs[0].caches[0]
-    assert c0.delta_q != 0 and c0.quant.length > 0
+    _past_evictions(runs, runs[0])
     a, b = (run.prefill(list(range(50, 90))) for run in runs)
     assert _close(a, b, 2e-2), float(np.abs(a - b).max())
     assert float(np.abs(a - b).max()) > 0  # the integer route ran
@@ -292,12 +297,7 @@ def test_a_prefill_over_a_moved_quantised_middle_reads_it_in_place(bits, kv_dtyp
     fast = small_llama()
     apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype=kv_dtype)
     runs = [_Run(ref, _settings("window-quant", bits)), _Run(fast, _settings("window-quant", bits))]
-    for r in runs:
-        r.prefill(list(range(1, 40)))
-        for t in range(40):
-            r.step(t)
-    c0 = runs[1].caches[0]
-    assert c0.delta_q != 0 and c0.quant.length > 0
+    _past_evictions(runs, runs[1])
     real = buffers.QuantBuffer.dequantized
     monkeypatch.setattr(buffers.QuantBuffer, "dequantized", lambda *a, **k: pytest.fail("the middle was dequantised"))
     got = runs[1].prefill(list(range(50, 70)))

@@ -66,8 +66,9 @@ def _fill_block(kc, vc, n_cached, kr, v_new, v_col, n0, nb, D, kb, vb, quant, q_
                 rot, cos_u, sin_u, traditional, mid_values):  # pragma: no cover - jitted
     """kb/vb[0:nb] = rows n0 .. n0 + nb - 1 of the sequence [quantised middle | cache rows | chunk
     rows] as float32, rows nb .. up to the next multiple of K_ROWS zeroed (the micro-kernels read
-    4 key rows). The middle's rows (n_quant of them, MLX's affine layout in ``quant``, this head's
-    from element ``q_base[i]`` of each buffer) are dequantised here and their keys turned by
+    key rows in fours, the integer scores in K_ROWS). The middle's rows (n_quant of them, MLX's
+    affine layout in ``quant``, this head's from element ``q_base[i]`` of each buffer) are
+    dequantised here and their keys turned by
     cos_u/sin_u where ``rot`` (back by the middle's rotation delta: what ``content()`` gives);
     softmax is order-free, so they need not sit between the sinks and the window as in sequence.
     ``mid_values`` False: the middle's values are left out of vb (P V reads them as integers)."""

@@ -86,12 +86,10 @@ def lanes_max(typingctx, s, n, M, mx):
                         for k in range(2)]
             top = _vload_f32(builder, ma.data, lane, "f32")
             even, odd = _counted_loop(builder, builder.sdiv(n_, ir.Constant(I64, 2)), [top, top], pair)
-            acc = builder.call(vmax, [even, odd])
             last = builder.sub(n_, ir.Constant(I64, 1))
-            has_odd = builder.icmp_signed("!=", builder.srem(n_, ir.Constant(I64, 2)), ir.Constant(I64, 0))
-            # an odd n's last row: read at max(n - 1, 0) (in range whenever n > 0) and kept only then
-            safe = builder.select(builder.icmp_signed(">", last, ir.Constant(I64, 0)), last, ir.Constant(I64, 0))
-            acc = builder.select(has_odd, builder.call(vmax, [acc, load(safe, lane)]), acc)
+            # an odd n's last row: a loop of n % 2 steps (a row is read only where it exists)
+            (acc,) = _counted_loop(builder, builder.srem(n_, ir.Constant(I64, 2)), [builder.call(vmax, [even, odd])],
+                                   lambda r, accs: [builder.call(vmax, [accs[0], load(last, lane)])])
             _store(builder, ma.data, lane, acc)
         _lane_chunks(builder, M_, chunk)
         return context.get_dummy_value()
