@@ -257,3 +257,40 @@ def test_quality_bench_scores_each_row_through_both_routes(tmp_path, monkeypatch
         assert abs(float(rows[f"{mode} fused"][-1]) - 1) < 0.01
     with pytest.raises(SystemExit):
         parse("quality", ["--routes", "gpu"])
+
+
+def test_quality_bench_chunked_fused_route_scores_through_the_fused_prefill(tmp_path, monkeypatch):
+    """--chunked on the fused route: every chunk through FusedDecoder.prefill with each position's
+    logits (the evicting mode's chunks read a quantised middle), within 1% of MLX's route."""
+    from chatapp.backend.fused_decode import FusedDecoder
+    from chatapp.bench import quality_bench
+    from tests.fused_llama import clear_kernels
+
+    monkeypatch.setattr(quality_bench, "RANDOM_SHAPE", TINY_SHAPE)
+    calls = []
+    real = FusedDecoder.prefill
+
+    def counted(self, tokens, caches, every_position=False):
+        calls.append((int(tokens.shape[0]), every_position))
+        return real(self, tokens, caches, every_position)
+
+    monkeypatch.setattr(FusedDecoder, "prefill", counted)
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a little cat. " * 4)
+    js = tmp_path / "chunked.json"
+    args = parse("quality", ["--random", "--text", str(text), "--max-tokens", "160", "--split", "64", "--chunked",
+                             "--window", "32", "--evict-chunk", "16", "--max-kv-tokens", "80", "--quant-start", "32",
+                             "--cache-mode", "prealloc,window-quant", "--routes", "mlx,fused", "--json", str(js)])
+    try:
+        assert quality_bench.run(args) == 0
+    finally:
+        clear_kernels()
+    data = json.loads(js.read_text())
+    rows = {r[0]: r for r in data["rows"]}
+    for mode in ("prealloc", "window-quant"):
+        assert abs(float(rows[f"{mode} fused"][-1]) - 1) < 0.01
+    # prealloc: one chunk of the 159 scored tokens; window-quant: 16-token chunks, 10 of them (the
+    # install's warm-up prefills its own chunks, last positions only)
+    assert [c for c in calls if c[1]] == [(159, True)] + [(16, True)] * 9 + [(15, True)]
+    assert "through the fused prefill 10" in data["meta"]["settings window-quant fused"]
+    assert "through the fused prefill 0" in data["meta"]["settings window-quant"]

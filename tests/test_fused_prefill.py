@@ -287,3 +287,27 @@ def test_the_prefills_integer_scores_move_the_logits_by_a_rounding_only():
     # 2.7e-3 and 3.1e-3 here (seed 3)
     assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()
     assert np.abs(k_a - k_b).max() <= 1e-2 * np.abs(k_a).max()
+
+
+@pytest.mark.parametrize("mode", ["prealloc", "window-quant"])
+def test_every_position_of_a_fused_prefill_equals_mlx(mode):
+    """bench quality's chunked fused route (prefill_every_position): each row's logits, not the
+    last one's alone, equal MLX's route; for window-quant after enough history that the chunk
+    reads a quantised middle moved by evictions."""
+    from chatapp.backend.fused_install import prefill_every_position
+
+    small = dict(sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16, kv_group_size=32)
+    settings_ = CacheSettings(mode=mode, **(small if mode != "prealloc" else {}))
+    ref, fast = _model(shape=SMALL, seed=1), _model(shape=SMALL, seed=1)
+    apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
+    ids = [int(t) for t in mx.random.randint(0, 256, (104,), key=mx.random.key(5))]
+    ca, cb = make_caches(ref, settings_), make_caches(fast, settings_)
+    for start in range(0, 96, 8):
+        want = ref(mx.array([ids[start:start + 8]]), cache=ca)[0]
+        got = prefill_every_position(fast, mx.array([ids[start:start + 8]]), cb)
+        assert got is not None and got.shape[1] == 8
+        assert _close(np.array(got[0]), np.array(want)), start
+    if mode != "prealloc":
+        assert cb[0].quant is not None and cb[0].quant.length > 0 and cb[0].evicted > 0
+    # not fused (the plain model): None, the caller runs the model
+    assert prefill_every_position(ref, mx.array([ids[:8]]), make_caches(ref, settings_)) is None

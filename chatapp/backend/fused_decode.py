@@ -446,8 +446,9 @@ class FusedDecoder:
         """cos/sin of each layer's middle: its keys sit the cache's ``delta_q`` further on."""
         self.angles.step(position + np.array([c.delta_q for c in caches], np.int64), (self._cos_q, self._sin_q))
 
-    def prefill(self, tokens: mx.array, caches: list) -> np.ndarray:
-        """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens; appends the
+    def prefill(self, tokens: mx.array, caches: list, every_position: bool = False) -> np.ndarray:
+        """Logits [vocab] of the last of ``tokens`` [T] after the caches' tokens (``every_position``:
+        [T, vocab], each row through the same head, as bench quality scores); appends the
         chunk's K/V (kernels/prefill_step.py: every layer in one native call, float32; with
         numerics fast the products of prefill_mask on int8 activations, down_proj's on 16-bit
         ones, kernels/int8panel.py)."""
@@ -506,7 +507,8 @@ class FusedDecoder:
                          np.empty((T, hd), np.float32), np.empty((T, self._act.shape[0]), np.float32),
                          self.prefill_mask, q_keep, self._q_addr, self._q_size, self._q_stride, n_quant, q_bits,
                          q_group, cos_u, sin_u, scales_like, self._qkv_bias, self._qk_norm, windows(caches),
-                         self._post_norm, self.gelu, np.empty((T, self.dim), np.float32), self.prefill_block)
+                         self._post_norm, self.gelu, np.empty((T, self.dim), np.float32), self.prefill_block,
+                         every_position)
         del k_out, v_out
         if n_keep:
             kept = q_keep.reshape(L, n_keep, self.n_heads, D)
@@ -520,12 +522,12 @@ class FusedDecoder:
         if in_place:
             for c in caches:
                 c.wrote_in_place(T)
-            return self._head(x[-1])
-        k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
-        v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
-        for i, c in enumerate(caches):
-            c.absorb(k_new[i][None], v_new[i][None])
-        return self._head(x[-1])
+        else:
+            k_new = k_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+            v_new = v_all.reshape(L, T, KVH, D).transpose(0, 2, 1, 3)
+            for i, c in enumerate(caches):
+                c.absorb(k_new[i][None], v_new[i][None])
+        return np.stack([self._head(row) for row in x]) if every_position else self._head(x[-1])
 
     def _unrotation_angles(self, caches: list) -> tuple[np.ndarray, np.ndarray]:
         """cos/sin [L, D/2] that turn each layer's middle keys back by its rotation delta (to their

@@ -24,19 +24,28 @@ _FUSED_CLASSES: dict[type, type] = {}
 PREFILL_MAX_TOKENS = 1024
 
 
+def _served(dec: FusedDecoder | None, inputs, cache) -> bool:
+    """Whether the fused routes take a call: one row of token ids over caches they serve."""
+    return (dec is not None and isinstance(inputs, mx.array) and inputs.ndim == 2 and inputs.shape[0] == 1
+            and cache_refusal(cache, len(dec.layers)) is None)
+
+
+def _prefill_chunk(dec: FusedDecoder, inputs: mx.array) -> bool:
+    return dec.prefill_chunks and 1 < inputs.shape[1] <= PREFILL_MAX_TOKENS
+
+
 def _fused_class(base: type) -> type:
     cls = _FUSED_CLASSES.get(base)
     if cls is None:
         def __call__(self, inputs, cache=None, **kwargs):
             dec = getattr(self, "_chatapp_fused", None)
-            if (dec is not None and not kwargs and isinstance(inputs, mx.array) and inputs.ndim == 2
-                    and inputs.shape[0] == 1 and cache_refusal(cache, len(dec.layers)) is None):
+            if not kwargs and _served(dec, inputs, cache):
                 dec.adopt(cache)  # the model's own call below writes them in the fused routes' dtype too
                 if inputs.shape[1] == 1:
                     token = int(inputs.item())
                     logits = dec.step(token, cache)
                     return mx.array(logits).reshape(1, 1, -1)
-                if dec.prefill_chunks and 1 < inputs.shape[1] <= PREFILL_MAX_TOKENS and last_position_wanted():
+                if _prefill_chunk(dec, inputs) and last_position_wanted():
                     # a prefill chunk whose caller reads the last position's logits only
                     return mx.array(dec.prefill(inputs[0], cache)).reshape(1, 1, -1)
             return base.__call__(self, inputs, cache=cache, **kwargs)
@@ -120,6 +129,17 @@ def cache_kv_dtype(model) -> mx.Dtype | None:
 def fused_decoder(model) -> "FusedDecoder | None":
     """The model's FusedDecoder when the fused step is installed (benches adjust its numerics)."""
     return getattr(model, "_chatapp_fused", None)
+
+
+def prefill_every_position(model, inputs: mx.array, cache: list) -> mx.array | None:
+    """Logits [1, T, vocab] of a prefill chunk through the fused prefill with every position
+    scored (bench quality's chunked fused route: the session asks for the last one only); None
+    where the fused prefill would not take the chunk (the caller then runs the model)."""
+    dec = fused_decoder(model) if is_fused(model) else None
+    if not (_served(dec, inputs, cache) and _prefill_chunk(dec, inputs)):
+        return None
+    dec.adopt(cache)
+    return mx.array(dec.prefill(inputs[0], cache, every_position=True))[None]
 
 
 def steps_synchronously(model) -> bool:

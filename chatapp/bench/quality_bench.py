@@ -3,8 +3,10 @@
 Teacher forcing: the first ``--prefill`` tokens go through the model in one go (in chunks of the
 evict chunk for evicting caches, as the Session prefills), then one true token per step, each a
 ``model(token, cache=caches)`` call on ``cache.make_caches(model, settings)``; every position's
-log-probability of the next true token is read from the logits. The table shows perplexity over
-all scored tokens and over the tokens after ``--split`` (default 512, stories260K's trained
+log-probability of the next true token is read from the logits. On the fused route (``--routes``)
+the prefill chunks (``--chunked``: the whole text) go through the fused prefill with every
+position's logits computed, so its reading of a quantised middle is scored too. The table shows
+perplexity over all scored tokens and over the tokens after ``--split`` (default 512, stories260K's trained
 context), the ratio of the latter to ``prealloc``'s, and the mean KL divergence from
 ``prealloc``'s next-token distribution after the split (how far the mode moves the model's
 predictions; the meaningful number for random-weight models, whose perplexity means nothing
@@ -104,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="tokens prefilled in one go before stepping (default 1)")
     p.add_argument("--chunked", action="store_true",
                    help="score the whole text teacher-forced in chunks (the evict chunk for evicting modes, "
-                        "512 tokens otherwise) instead of one token per step: much faster")
+                        "512 tokens otherwise) instead of one token per step: much faster; the fused route "
+                        "runs them through the fused prefill, as a session prefills a message")
     p.add_argument("--llama-cpp", action="store_true",
                    help="also score the same tokens with llama.cpp (llama_cpp, logits of every position) when "
                         "--model is a GGUF file and llama_cpp is importable")
@@ -190,9 +193,15 @@ def load(args, fused: bool = False) -> tuple[Any, Any, str]:
     if args.random:
         from chatapp.model.synthetic import LlamaShape, build_random_llama, byte_tokenizer
 
-        model, _ = build_random_llama(LlamaShape(**RANDOM_SHAPE), seed=args.seed)
-        desc = ("random float32 Llama: hidden 512, 4 layers, 8 heads / 4 KV heads of 64, "
-                "byte tokenizer (vocab 258), max positions 4096")
+        # the fast path serves quantised layers only: where a route is fused, both routes score
+        # the same 4-bit weights (float32 ones would leave the "fused" route on MLX's)
+        bits = 4 if "fused" in (args.routes or (["fused"] if args.fast_path else [])) else None
+        shape = LlamaShape(**RANDOM_SHAPE)
+        model, _ = build_random_llama(shape, seed=args.seed, quantize_bits=bits)
+        desc = (f"random {'4-bit' if bits else 'float32'} Llama: hidden {shape.hidden_size}, "
+                f"{shape.num_hidden_layers} layers, {shape.num_attention_heads} heads / "
+                f"{shape.num_key_value_heads} KV heads of {shape.head_dim}, byte tokenizer "
+                f"(vocab {shape.vocab_size}), max positions {shape.max_position_embeddings}")
         if fused:
             desc += f"; CPU fast path: {fast_path(model, off=False, numerics=args.numerics)}"
         return model, byte_tokenizer(), desc
@@ -284,12 +293,16 @@ def model_itemsize(model) -> int:
     return (k if k is not None else caches[0].state[0]).dtype.size
 
 
-def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bool) -> dict[str, Any]:
-    """Teacher-forced log-probs of tokens[1:] through ``settings.mode``'s caches."""
+def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bool,
+          fused_prefill: bool = False) -> dict[str, Any]:
+    """Teacher-forced log-probs of tokens[1:] through ``settings.mode``'s caches; ``fused_prefill``:
+    the prefill chunks through the fused prefill (every position's logits), as the session
+    prefills a message, where it takes them."""
     import mlx.core as mx
     import numpy as np
 
     from cache import make_caches, total_usage
+    from chatapp.backend.fused_install import prefill_every_position
 
     caches = make_caches(model, settings, geom)
     n = len(tokens)
@@ -312,13 +325,16 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
         if dists is not None:
             dists.append(np.array(lp.astype(mx.float32)))
 
-    pos, max_bytes = 0, 0
+    pos, max_bytes, fused_chunks, chunks = 0, 0, 0, 0
     first = max(1, min(prefill, n - 1))
     while pos < first:
-        chunk = tokens[pos : min(first, pos + step)]
-        out = model(mx.array([chunk]), cache=caches)
+        chunk = mx.array([tokens[pos : min(first, pos + step)]])
+        out = prefill_every_position(model, chunk, caches) if fused_prefill else None
+        fused_chunks, chunks = fused_chunks + (out is not None), chunks + 1
+        if out is None:
+            out = model(chunk, cache=caches)
         take(out[0].astype(mx.float32), pos)
-        pos += len(chunk)
+        pos += chunk.shape[1]
         max_bytes = max(max_bytes, total_usage(caches).bytes_held)
     max_held = caches[0].offset
     while pos < n - 1:
@@ -332,7 +348,7 @@ def score(model, settings, geom, tokens: list[int], prefill: int, keep_dists: bo
     evicted = getattr(caches[0], "evicted", 0)
     return dict(lps=lps, dists=np.concatenate(dists) if dists else None, seconds=seconds, held=held,
                 evicted=evicted, max_held=max_held, kv_bytes=total_usage(caches).bytes_held,
-                max_bytes=max_bytes)
+                max_bytes=max_bytes, fused_chunks=fused_chunks, chunks=chunks)
 
 
 def llama_cpp_ppl(args, tokens: list[int]) -> dict[str, Any] | None:
@@ -419,11 +435,13 @@ def run(args) -> int:
             if notes:
                 notes_all[mode] = notes
                 print(f"# {mode}: " + "; ".join(notes))
-            r = score(model, settings, geom, tokens, n if args.chunked else args.prefill, keep)
+            r = score(model, settings, geom, tokens, n if args.chunked else args.prefill, keep,
+                      fused_prefill=route == "fused")
             r["settings"] = settings
             results[mode] = r
+            prefilled = f", {r['fused_chunks']} of {r['chunks']} prefill chunks fused" if route == "fused" else ""
             print(f"# {mode}: ppl {ppl(r['lps']):.3f}, after {split}: {ppl(r['lps'][split:]):.3f} "
-                  f"({r['seconds']:.1f} s, holds {r['held']}, evicted {r['evicted']})")
+                  f"({r['seconds']:.1f} s, holds {r['held']}, evicted {r['evicted']}{prefilled})")
             mx.clear_cache()
 
     llama_cpp = llama_cpp_ppl(args, tokens) if args.llama_cpp else None
@@ -469,7 +487,9 @@ def run(args) -> int:
                                         f"max_kv_tokens={s.max_kv_tokens} quant_start={s.quant_start} "
                                         f"kv_bits={s.kv_bits} kv_group_size={s.kv_group_size} "
                                         f"kv_key_layout={s.kv_key_layout}; "
-                                        f"most tokens held {r['max_held']}, evicted {r['evicted']}")
+                                        f"most tokens held {r['max_held']}, evicted {r['evicted']}; "
+                                        f"prefill chunks {r['chunks']}, through the fused prefill "
+                                        f"{r['fused_chunks']}")
     for mode, why in skipped.items():
         rep.meta[f"skipped {mode}"] = why
     for mode, notes in notes_all.items():

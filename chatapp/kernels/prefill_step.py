@@ -425,11 +425,13 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
                  cos, sin, traditional, n_heads, n_kv_heads, kv_addr, kv_size, kv_stride, n_cached,
                  scale, q, k_raw, v_raw, k_out, v_out, attn, act, fast, q_keep, q_addr, q_size, q_stride, n_quant,
                  q_bits, q_group, cos_u, sin_u, scales_like, qkv_bias, qk_norm, window, post_norm, gelu, ob,
-                 act_block=0):  # pragma: no cover
+                 act_block=0, all_rows=False):  # pragma: no cover
     """Every layer for the chunk ``x`` [T, dim] in one call (``prefill_layer`` per layer, ``ctl``
     holding LAYER_CTL counters per layer); only x's last row is the chunk's output, the one the
     head reads (the last layer computes past K and V for that row alone: on the 8-layer 7B
-    geometry its exact float products of every row had been half a 256-token chunk's time);
+    geometry its exact float products of every row had been half a 256-token chunk's time),
+    unless ``all_rows`` (bench quality scores every position; callers pass it always, so one
+    signature is compiled);
     weights, norms and cache addresses as token_step takes them, the cache buffers' element type
     that of k_out. k_out/v_out [L, T, kv_heads * D] (float32, or float16 bits as uint16) receive
     each layer's new roped K and V; v_raw
@@ -455,7 +457,7 @@ def prefill_step(ctl, x, attn_norms, mlp_norms, eps, wq, wk, wv, wo, wg, wu, wd,
         quant = (kv_buffer(qa[0], qs[0], byte), kv_buffer(qa[1], qs[1], scales_like),
                  kv_buffer(qa[2], qs[2], scales_like), kv_buffer(qa[3], qs[3], byte),
                  kv_buffer(qa[4], qs[4], scales_like), kv_buffer(qa[5], qs[5], scales_like))
-        last = layer == bits.shape[0] - 1
+        last = layer == bits.shape[0] - 1 and not all_rows
         prefill_layer(ctl[layer * LAYER_CTL:(layer + 1) * LAYER_CTL], x, attn_norms[layer], mlp_norms[layer], eps,
                       wq[layer], wk[layer], wv[layer], wo[layer], wg[layer], wu[layer], wd[layer], bits[layer],
                       group_size, cos[layer], sin[layer], traditional, n_heads, n_kv_heads, k_cache,
