@@ -13,10 +13,17 @@ import pytest
 
 # Keep every test (and every `chatapp` subprocess a test starts) away from the user's own
 # config and data: an empty config dir and a throwaway data dir, unless a test sets its own.
-for _var, _prefix in (("CHATAPP_CONFIG_DIR", "chatapp-test-config-"), ("CHATAPP_DATA_DIR", "chatapp-test-data-")):
-    if _var not in os.environ:
-        os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
-        atexit.register(shutil.rmtree, os.environ[_var], True)
+# Each pytest-xdist worker makes its own (it inherits its controller's environment, and two
+# workers' tests must not share one data dir); without workers, dirs set before pytest started
+# are kept.
+_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+_MADE_FOR = os.environ.get("CHATAPP_TEST_DIRS_FOR")
+if _MADE_FOR != _PROCESS:
+    for _var, _prefix in (("CHATAPP_CONFIG_DIR", "chatapp-test-config-"), ("CHATAPP_DATA_DIR", "chatapp-test-data-")):
+        if _var not in os.environ or _MADE_FOR is not None:
+            os.environ[_var] = tempfile.mkdtemp(prefix=_prefix)
+            atexit.register(shutil.rmtree, os.environ[_var], True)
+    os.environ["CHATAPP_TEST_DIRS_FOR"] = _PROCESS
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MODELS = REPO.parent / "shared" / "models"

@@ -38,32 +38,34 @@ def _isas(bits: int) -> list[str]:
     return [isa for isa in runnable_isas() if bits == 4 or isa != "avx2"]
 
 
-def _runner(isa: str, unit: int, gs: int, planes: int, bits: int = 4):
+def _runner(isa: str, planes: int, bits: int = 4):
     """A jitted product of a whole weight with T tokens through the panel kernel of ``isa``:
     panels of 16 rows, PANEL_TOKENS tokens a call, results of rows and tokens past the ends
-    dropped (as prefill_step does). The host ISA goes through panel_tile's dispatch."""
-    key = (isa, unit, gs, planes, bits)
+    dropped (as prefill_step does). The host ISA goes through panel_tile's dispatch. One per
+    instruction variant (group and unit are arguments: a runner per drawn size compiled the
+    test for ~45 s)."""
+    key = (isa, planes, bits)
     if key in _RUNNERS:
         return _RUNNERS[key]
     if isa == ISA:
         @njit
-        def tile(pan, xq, t0, out):
+        def tile(pan, xq, t0, gs, unit, out):
             panel_tile(pan, xq, t0, gs, unit, out)
     elif isa == "avx2":  # through panel_avx2's own dispatch, as an AVX2 host runs it
         @njit
-        def tile(pan, xq, t0, out):
+        def tile(pan, xq, t0, gs, unit, out):
             avx2_panel_tile(pan, xq, t0, gs, unit, out)
     else:
         k = make_panel_tile(isa, bits, planes=planes)
 
         @njit
-        def tile(pan, xq, t0, out):
+        def tile(pan, xq, t0, gs, unit, out):
             k(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, gs, out)
 
     width = PANEL_ROWS * bits // 4
 
     @njit
-    def run(packed, scales, biases, xq, T, got):
+    def run(packed, scales, biases, xq, T, gs, unit, got):
         N = packed.shape[0]
         K = packed.shape[1] * 8 // bits
         pan = (np.empty((K // 8, width), np.uint32), np.empty((K // gs, PANEL_ROWS), np.float32),
@@ -73,7 +75,7 @@ def _runner(isa: str, unit: int, gs: int, planes: int, bits: int = 4):
             n = min(PANEL_ROWS, N - r0)
             pack_panel(packed, scales, biases, bits, r0, n, pan[0], pan[1], pan[2])
             for t in range(0, T, PANEL_TOKENS):
-                tile(pan, xq, t, out)
+                tile(pan, xq, t, gs, unit, out)
                 for j in range(min(PANEL_TOKENS, T - t)):
                     for i in range(n):
                         got[t + j, r0 + i] = out[j * PANEL_ROWS + i]
@@ -135,7 +137,7 @@ def test_panel_matches_dequantize_then_matmul(seed, gs, groups, n, T, half, bloc
     bound = (step / 2) @ np.abs(deq).T * 1.01 + 1e-4 * np.abs(exact).max() + 1e-6
     for isa in _isas(bits):
         got = np.full((T, n), np.nan, np.float32)
-        _runner(isa, unit, gs, planes, bits)(packed, s, b, xq, T, got)
+        _runner(isa, planes, bits)(packed, s, b, xq, T, gs, unit, got)
         np.testing.assert_allclose(got, model, rtol=1e-4, atol=1e-4 * np.abs(model).max() + 1e-6, err_msg=isa)
         assert np.all(np.abs(got - exact) <= bound), isa
 
@@ -151,7 +153,7 @@ def test_two_planes_are_about_256_times_finer():
     err = {}
     for planes in (1, 2):
         got = np.full((T, 24), np.nan, np.float32)
-        _runner(ISA, 32, gs, planes)(packed, s, b, _tokens(x, 32, 32, planes), T, got)
+        _runner(ISA, planes)(packed, s, b, _tokens(x, 32, 32, planes), T, gs, 32, got)
         err[planes] = np.abs(got - exact).max()
     assert err[2] * 50 < err[1]
 
