@@ -38,12 +38,28 @@ def _isas(bits: int) -> list[str]:
     return [isa for isa in runnable_isas() if bits == 4 or isa != "avx2"]
 
 
+@njit
+def _pack_all(packed, scales, biases, bits, gs):
+    """Every 16-row panel of a weight as pack_panel makes them (float32 scales and biases): one
+    compile per scale dtype here, so the runners below see float32 panels only."""
+    N = packed.shape[0]
+    K = packed.shape[1] * 8 // bits
+    n_pan = (N + PANEL_ROWS - 1) // PANEL_ROWS
+    pan = np.empty((n_pan, K // 8, PANEL_ROWS * bits // 4), np.uint32)
+    ps = np.empty((n_pan, K // gs, PANEL_ROWS), np.float32)
+    pb = np.empty((n_pan, K // gs, PANEL_ROWS), np.float32)
+    for p in range(n_pan):
+        r0 = p * PANEL_ROWS
+        pack_panel(packed, scales, biases, bits, r0, min(PANEL_ROWS, N - r0), pan[p], ps[p], pb[p])
+    return pan, ps, pb
+
+
 def _runner(isa: str, planes: int, bits: int = 4):
-    """A jitted product of a whole weight with T tokens through the panel kernel of ``isa``:
-    panels of 16 rows, PANEL_TOKENS tokens a call, results of rows and tokens past the ends
+    """A jitted product of a whole weight (its panels, _pack_all) with T tokens through the panel
+    kernel of ``isa``: PANEL_TOKENS tokens a call, results of rows and tokens past the ends
     dropped (as prefill_step does). The host ISA goes through panel_tile's dispatch. One per
-    instruction variant (group and unit are arguments: a runner per drawn size compiled the
-    test for ~45 s)."""
+    instruction variant (group and unit are arguments; a runner per drawn size and scale dtype
+    compiled this test for ~60 s)."""
     key = (isa, planes, bits)
     if key in _RUNNERS:
         return _RUNNERS[key]
@@ -62,23 +78,20 @@ def _runner(isa: str, planes: int, bits: int = 4):
         def tile(pan, xq, t0, gs, unit, out):
             k(pan[0], pan[1], pan[2], xq[0], xq[1], xq[2], xq[3], t0, unit, gs, out)
 
-    width = PANEL_ROWS * bits // 4
-
     @njit
-    def run(packed, scales, biases, xq, T, gs, unit, got):
-        N = packed.shape[0]
-        K = packed.shape[1] * 8 // bits
-        pan = (np.empty((K // 8, width), np.uint32), np.empty((K // gs, PANEL_ROWS), np.float32),
-               np.empty((K // gs, PANEL_ROWS), np.float32))
+    def run_panels(pan, ps, pb, N, xq, T, gs, unit, got):
         out = np.empty(PANEL_TOKENS * PANEL_ROWS, np.float32)
-        for r0 in range(0, N, PANEL_ROWS):
+        for p in range(pan.shape[0]):
+            r0 = p * PANEL_ROWS
             n = min(PANEL_ROWS, N - r0)
-            pack_panel(packed, scales, biases, bits, r0, n, pan[0], pan[1], pan[2])
             for t in range(0, T, PANEL_TOKENS):
-                tile(pan, xq, t, gs, unit, out)
+                tile((pan[p], ps[p], pb[p]), xq, t, gs, unit, out)
                 for j in range(min(PANEL_TOKENS, T - t)):
                     for i in range(n):
                         got[t + j, r0 + i] = out[j * PANEL_ROWS + i]
+
+    def run(packed, scales, biases, xq, T, gs, unit, got):
+        run_panels(*_pack_all(packed, scales, biases, bits, gs), packed.shape[0], xq, T, gs, unit, got)
 
     _RUNNERS[key] = run
     return run
