@@ -295,9 +295,9 @@ def test_every_position_of_a_fused_prefill_equals_mlx(mode):
     last one's alone, equal MLX's route; for window-quant after enough history that the chunk
     reads a quantised middle moved by evictions."""
     from chatapp.backend.fused_install import prefill_every_position
+    from tests.test_fused_policies import _settings
 
-    small = dict(sinks=2, window=24, evict_chunk=8, max_kv_tokens=56, quant_start=16, kv_group_size=32)
-    settings_ = CacheSettings(mode=mode, **(small if mode != "prealloc" else {}))
+    settings_ = _settings(mode) if mode != "prealloc" else CacheSettings(mode=mode)
     ref, fast = _model(shape=SMALL, seed=1), _model(shape=SMALL, seed=1)
     apply_fast_path(fast, backend="cpu", warm_up=False, kv_dtype="float32")
     ids = [int(t) for t in mx.random.randint(0, 256, (104,), key=mx.random.key(5))]
